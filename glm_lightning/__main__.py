@@ -1,0 +1,4 @@
+from glm_lightning.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""mHC: manifold-constrained hyper-connections (Xie et al., arXiv 2512.24880, Eq. 7-9 and Table 5).
+
+The residual stream is widened to n parallel streams x in R^{n x C} that persist as [B, T, n, C] across ALL blocks
+(expanded once after the embedding, collapsed once before the final norm, see `GLMModel`). Each sub-layer F
+(attention or MoE) is wrapped by one `HyperConnection` site:
+
+    x' = RMSNorm(vec(x))                                   unweighted norm of the flattened streams (1 x nC)
+    H_pre  = sigmoid(a_pre  * x' phi_pre  + b_pre) + eps    (1 x n)   how much each stream F reads
+    H_post = 2 sigmoid(a_post * x' phi_post + b_post)       (1 x n)   how much F writes into each stream
+    H_res  = SinkhornKnopp(a_res * mat(x' phi_res) + b_res) (n x n)   doubly stochastic stream mixing
+    x_next = H_res x + H_post^T F(H_pre x)
+
+Following the production form (DeepSeek-V4 `HyperConnection`, also mlx-vlm): one fused projection phi of shape
+[(2+n)n, nC] split as [pre, post, res]; Sinkhorn starts from a row softmax (+eps), normalises columns, then runs
+(iters - 1) row/column rounds with eps in every denominator, all in fp32. We use the paper's convention
+x_next_i = sum_j H_res[i, j] x_j.
+
+Symmetry trap: the streams start identical (the embedding repeated n times); if all sites treated the streams
+alike they would stay identical forever. We break the symmetry with a random phi (std 0.02, as the HF init) and
+a static per-stream post bias rotated by the site index, so each stream receives a different mix of sub-layers.
+b_res starts near the identity (diagonal logit `res_diag_init`) so that the untrained network is close to an
+ordinary residual network.
+With n = 1 the site is exactly a plain pre-norm residual x + F(x) (no parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -> torch.Tensor:
+    """Project [..., n, n] logits onto (approximately) doubly stochastic matrices, in fp32.
+
+    Columns are the last-normalised axis, so column sums are exact to ~1e-6; row sums converge with `iters`.
+    """
+    m = torch.softmax(logits.float(), dim=-1) + eps
+    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(dim=-1, keepdim=True) + eps)
+        m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    return m
+
+
+class HyperConnection(nn.Module):
+    """One mHC site around a sub-layer: streams [B, T, n, C] -> streams [B, T, n, C]."""
+
+    res_diag_init: float = 4.0
+
+    def __init__(self, n: int, dim: int, iters: int = 20, eps: float = 1e-6, alpha_init: float = 0.01,
+                 norm_eps: float = 1e-5, site_index: int = 0) -> None:
+        super().__init__()
+        self.n, self.dim, self.iters, self.eps, self.norm_eps = n, dim, iters, eps, norm_eps
+        if n == 1:
+            return
+        self.phi = nn.Parameter(torch.randn((2 + n) * n, n * dim) * 0.02)
+        self.alpha = nn.Parameter(torch.full((3,), alpha_init))
+        b_pre = torch.zeros(n)
+        b_post = torch.linspace(0.5, -0.5, n).roll(site_index % n)
+        b_res = torch.full((n, n), 0.0) + self.res_diag_init * torch.eye(n)
+        self.bias = nn.Parameter(torch.cat([b_pre, b_post, b_res.flatten()]))
+
+    def mappings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """H_pre [B,T,n], H_post [B,T,n], H_res [B,T,n,n] from the streams x [B,T,n,C] (fp32)."""
+        n = self.n
+        flat = F.rms_norm(x.flatten(-2).float(), (n * self.dim,), eps=self.norm_eps)
+        raw = F.linear(flat, self.phi.float())
+        scale = torch.cat([self.alpha[0].expand(n), self.alpha[1].expand(n), self.alpha[2].expand(n * n)])
+        logits = raw * scale + self.bias
+        pre_l, post_l, res_l = logits.split([n, n, n * n], dim=-1)
+        pre = torch.sigmoid(pre_l) + self.eps
+        post = 2.0 * torch.sigmoid(post_l)
+        res = sinkhorn_knopp(res_l.unflatten(-1, (n, n)), self.iters, self.eps)
+        return pre, post, res
+
+    def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self.n == 1:
+            return x + sublayer(x[..., 0, :]).unsqueeze(-2)
+        pre, post, res = self.mappings(x)
+        pre, post, res = pre.to(x.dtype), post.to(x.dtype), res.to(x.dtype)
+        h = torch.einsum("btn,btnc->btc", pre, x)
+        y = sublayer(h)
+        mixed = torch.matmul(res, x)  # [B,T,n,n] @ [B,T,n,C]: x_next_i = sum_j H_res[i,j] x_j
+        return mixed + post.unsqueeze(-1) * y.unsqueeze(-2)
+
+    def extra_repr(self) -> str:
+        return f"streams={self.n}, dim={self.dim}, sinkhorn_iters={self.iters}"
+
+
+def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T, C] -> [B, T, n, C]: the embedding repeated into n streams (done once, after the embedding)."""
+    return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
+
+
+def collapse_streams(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, n, C] -> [B, T, C]: the stream mean (GLM-5.3 readout), done once before the final norm."""
+    return x.mean(dim=-2)

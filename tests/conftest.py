@@ -1,0 +1,14 @@
+import sys
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_argv_and_threads():
+    """LightningCLI warns when sys.argv holds pytest's own arguments; tests pass args explicitly."""
+    old = sys.argv
+    sys.argv = ["pytest"]
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    yield
+    sys.argv = old

@@ -1,0 +1,82 @@
+import torch
+from torch import nn
+
+from glm_lightning.model.mhc import HyperConnection, collapse_streams, expand_streams, sinkhorn_knopp
+from glm_lightning.model.norm import RMSNorm
+
+
+def test_sinkhorn_doubly_stochastic():
+    torch.manual_seed(0)
+    # finite Sinkhorn: the last-normalised axis (columns) is exact, rows converge slower for peaked logits
+    for std, row_tol in ((0.5, 1e-3), (1.0, 1e-3), (2.0, 1e-2)):
+        m = sinkhorn_knopp(torch.randn(64, 4, 4) * std, iters=20, eps=1e-6)
+        assert (m >= 0).all()
+        assert torch.allclose(m.sum(-2), torch.ones(64, 4), atol=1e-5)
+        assert torch.allclose(m.sum(-1), torch.ones(64, 4), atol=row_tol)
+
+
+def test_sinkhorn_product_of_many_sites_stays_bounded():
+    torch.manual_seed(1)
+    prod = torch.eye(4)
+    for _ in range(24):
+        prod = sinkhorn_knopp(torch.randn(4, 4)) @ prod
+    assert prod.sum(0).max() < 1.1 and prod.sum(1).max() < 1.1
+
+
+def test_n1_equals_plain_pre_norm_residual():
+    torch.manual_seed(0)
+    norm, f = RMSNorm(8), nn.Linear(8, 8)
+    site = HyperConnection(n=1, dim=8)
+    x = torch.randn(2, 5, 8)
+    out = site(expand_streams(x, 1), lambda h: f(norm(h)))
+    assert torch.equal(collapse_streams(out), x + f(norm(x)))
+    assert sum(p.numel() for p in site.parameters()) == 0
+
+
+def test_identity_mappings_reduce_to_residual():
+    """With pre = 1/n, post = 1, res = I and identical streams, the site is x + F(x) on every stream."""
+    torch.manual_seed(0)
+    n, c = 4, 8
+    site = HyperConnection(n=n, dim=c)
+    site.mappings = lambda x: (torch.full(x.shape[:-1], 1.0 / n), torch.ones(x.shape[:-1]),
+                               torch.eye(n).expand(*x.shape[:-2], n, n))
+    f = nn.Linear(c, c)
+    x = torch.randn(2, 3, c)
+    out = site(expand_streams(x, n), f)
+    assert torch.allclose(out, (x + f(x)).unsqueeze(-2).expand(2, 3, n, c), atol=1e-6)
+
+
+def test_shape_persists_and_streams_diverge():
+    torch.manual_seed(0)
+    n, c = 4, 16
+    sites = [HyperConnection(n=n, dim=c, site_index=i) for i in range(4)]
+    f = nn.Sequential(RMSNorm(c), nn.Linear(c, c))
+    s = expand_streams(torch.randn(2, 6, c), n)
+    assert torch.equal(s[:, :, 0], s[:, :, 1])
+    for site in sites:
+        s = site(s, f)
+        assert s.shape == (2, 6, n, c)
+    assert (s[:, :, 0] - s[:, :, 1]).abs().max() > 1e-3  # symmetry broken
+
+
+def test_mappings_ranges_and_gradients():
+    torch.manual_seed(0)
+    site = HyperConnection(n=4, dim=8)
+    x = torch.randn(3, 5, 4, 8)
+    pre, post, res = site.mappings(x)
+    assert (pre > 0).all() and (pre <= 1 + 1e-5).all()
+    assert (post > 0).all() and (post < 2).all()
+    assert torch.allclose(res.sum(-2), torch.ones(3, 5, 4), atol=1e-5)
+    out = site(x, torch.tanh)
+    out.square().sum().backward()
+    for name, p in site.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_site_is_causal():
+    torch.manual_seed(0)
+    site = HyperConnection(n=4, dim=8)
+    x = torch.randn(1, 10, 4, 8)
+    y = x.clone()
+    y[:, 6:] += torch.randn_like(y[:, 6:])
+    assert torch.equal(site(x, torch.tanh)[:, :6], site(y, torch.tanh)[:, :6])
