@@ -1,0 +1,352 @@
+"""Kimi Delta Attention (KDA), the linear-attention token mixer of the "L" layers.
+
+Follows Kimi Linear (arXiv 2510.26692, "Kimi Linear: An Expressive, Efficient Attention Architecture"), with the
+GLM-5.3 "safe gate" and the settings in ``/work/shared/reference/architecture.md`` sections 4 and 9:
+
+* the gated delta rule with a **per-head, per-key-channel** decay (fine-grained ``Diag(exp g_t)``)::
+
+      S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,      o_t = S_t^T q_t
+
+  step form: ``S *= exp(g_t); e = v_t - S^T k_t; S += k_t (beta_t e)^T; o_t = S^T q_t``;
+* the chunkwise-parallel WY / UT form of the paper (section 3 / appendix) for training: inside a chunk of C tokens,
+  with ``G = cumsum(g)`` and ``Gamma = exp(G)``::
+
+      M[i, j]   = sum_d k_id k_jd exp(G_id - G_jd)        (j < i)
+      A         = (I + diag(beta) M)^-1 diag(beta)           (unit-lower triangular solve)
+      U = A V,  W = A (Gamma * K)
+      Aqk[r, j] = sum_d q_rd k_jd exp(G_rd - G_jd)        (j <= r)
+      O         = (Gamma * Q) S + Aqk (U - W S)
+      S'        = Diag(Gamma_C) S + ((Gamma_C / Gamma) * K)^T (U - W S)
+
+  Everything except the state hand-off is computed for all chunks at once. The hand-off is rewritten as
+  ``S' = P S + R`` with ``P = Diag(Gamma_C) - ((Gamma_C/Gamma) K)^T W`` and ``R = ((Gamma_C/Gamma) K)^T U``, so the
+  Python loop over chunks is one batched matmul-add per chunk; the outputs are then ``Aqk U + (Gamma Q - Aqk W) S_c``
+  for all chunks at once. The factorised ``exp(G_i - G_j) = exp(G_i - ref) exp(ref - G_j)`` uses a detached
+  mid-chunk reference (the middle of the chunk's range of G, per channel) so each factor stays below
+  ``exp(|lb| (C - 1) / 2)`` and fp32 does not overflow for ``C * |lb| / 2 < 85`` (GLMConfig validates this). The
+  masked (future) entries are removed with ``masked_fill`` (never multiplied by 0, inf * 0 = NaN).
+* the layer of the paper / fla ``KimiDeltaAttention``: q/k/v projections, a causal depthwise short convolution
+  (kernel ``kda_conv_size``) + SiLU, L2-normalised q and k (eps 1e-6), ``q *= d_k^-0.5``, ``beta = sigmoid(W_b x)``,
+  the safe gate ``g = lb * sigmoid(exp(A_log) * (W_f2 W_f1 x + dt_bias))`` (``A_log`` init 0, ``dt_bias`` the inverse
+  softplus of log-uniform [1e-3, 1e-1]), a low-rank output gate ``W_g2 W_g1 x`` (last linear with bias), a gated
+  per-head RMSNorm ``RMSNorm_head(o) * sigmoid(gate)`` and an output projection. No biases except the output gate's,
+  so the parameter count matches the formula of architecture.md section 12.
+
+Padding (``valid`` False) and the tail padding of the chunked form are identity steps: ``g = 0, beta = 0, k = 0``, and
+the raw projections fed to the short conv are zeroed at pads. A left-padded row therefore gives the same outputs at
+its real positions as the unpadded row. (A pad in the middle of a row is an identity for the recurrent state but
+still occupies a slot of the short conv's window, identically in the prefill and decode paths.)
+
+Decoding keeps a :class:`KDACache`: the last ``ks - 1`` raw (pre-conv) projections and the fp32 state. A prefill with
+``T > 1`` runs the chunked form from the cached state; ``T == 1`` runs a single recurrent step.
+
+State and gate math are fp32 (fp64 inputs to the pure functions stay fp64, for gradcheck-style tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glm_lightning.model.config import GLMConfig
+from glm_lightning.model.norm import RMSNorm
+
+__all__ = ["KDACache", "KDAttention", "kda_chunked", "kda_recurrent"]
+
+
+def _compute_dtype(*xs: Tensor) -> torch.dtype:
+    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+_EXP_LIMIT = 80.0
+"""Largest exponent the factorised exp may reach inside a row block (fp32 exp overflows above ~88.7)."""
+
+
+def _n_row_blocks(C: int, gate_bound: float) -> int:
+    """Number of row blocks of the factorised exp: the smallest divisor ns of C whose blocks of s = C / ns rows keep
+    (s - 1) * gate_bound <= _EXP_LIMIT."""
+    ns = 1
+    while C % ns or (C // ns - 1) * gate_bound > _EXP_LIMIT:
+        ns += 1
+    return ns
+
+
+def _tril(C: int, diagonal: int, device: torch.device) -> Tensor:
+    return torch.ones(C, C, dtype=torch.bool, device=device).tril(diagonal)
+
+
+def _future_cols(ns: int, s: int, device: torch.device) -> Tensor:
+    """[ns, C, 1] bool: column j lies after the end of row block a."""
+    j = torch.arange(ns * s, device=device)
+    a_end = (torch.arange(ns, device=device) + 1) * s
+    return (j[None, :] >= a_end[:, None]).unsqueeze(-1)
+
+
+def kda_recurrent(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-token KDA recurrence (reference and decode form).
+
+    Shapes: q, k, g ``[B, T, H, K]`` (g is the log decay, <= 0), v ``[B, T, H, V]``, beta ``[B, T, H]``,
+    initial_state ``[B, H, K, V]``. q must already be scaled by ``K^-0.5``. Returns ``o [B, T, H, V]`` and the final
+    state ``[B, H, K, V]``, both fp32 (fp64 if any input is fp64).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt = _compute_dtype(q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    decay = g.exp()
+    outs = []
+    for t in range(T):
+        kt = k[:, t]                                                   # [B, H, K]
+        S = S * decay[:, t].unsqueeze(-1)                              # Diag(exp g_t) S
+        e = v[:, t] - (kt.unsqueeze(-2) @ S).squeeze(-2)               # v_t - S^T k_t      [B, H, V]
+        S = S + kt.unsqueeze(-1) * (beta[:, t].unsqueeze(-1) * e).unsqueeze(-2)
+        outs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))           # S^T q_t
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
+    return o, S
+
+
+def kda_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 32,
+    initial_state: Tensor | None = None,
+    *,
+    gate_bound: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Chunkwise-parallel (WY / UT) KDA, numerically equal to :func:`kda_recurrent`.
+
+    Same shapes and return values as :func:`kda_recurrent`. T is padded to a multiple of ``chunk_size`` with identity
+    steps. ``gate_bound`` is an upper bound of ``|g|`` (the safe gate's ``|lb|``); it sets the row blocks of the
+    factorised exp so that fp32 cannot overflow. If None it is read from the data (``max(-g)``).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dt = _compute_dtype(q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))
+    S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+    if T == 0:
+        return v.new_zeros(B, 0, H, V, dtype=dt), S
+    C = chunk_size
+    pad = (-T) % C
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    if pad:  # identity steps: g = 0, beta = 0, k = 0 (q, v = 0 too; their outputs are dropped)
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    N = (T + pad) // C
+
+    # Chunk-major layout [N, B, H, C, D]: every chunk's slice is contiguous for the hand-off loop.
+    def chunks(x: Tensor) -> Tensor:  # [B, N*C, H, D] -> [N, B, H, C, D]
+        return x.reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4)
+
+    q, k, v, g = chunks(q), chunks(k), chunks(v), chunks(g)
+    beta = beta.reshape(B, N, C, H).permute(1, 0, 3, 2).unsqueeze(-1)  # [N, B, H, C, 1]
+
+    G = g.cumsum(-2)                                                    # inclusive, [N, B, H, C, K]
+    G_last = G[..., -1:, :]                                             # [N, B, H, 1, K]
+    # Factorised exp(G_i - G_j) = exp(G_i - ref_a) * exp(ref_a - G_j), one reference per row block a of s <= 16
+    # rows: ref_a = G at the block's first row (with lb = -5 and C = 32: s = 16, the second block's reference is the
+    # chunk midpoint).
+    # Then exp(G_i - ref_a) <= 1, exp(ref_a - G_j) <= 1 for j before the block and <= exp(|lb| (s - 1)) inside it,
+    # so fp32 cannot overflow for |lb| (s - 1) <= 80 (s is chosen so). The reference is causal (it never looks past row i), which keeps
+    # the layer bit-exactly causal, and detached (the result does not depend on it). Columns after the block are
+    # never needed; their exponent is zeroed with masked_fill *before* the exp (no inf, no inf * 0 in backward).
+    if gate_bound is None:
+        gate_bound = float(-g.detach().min().clamp(max=0.0))
+    ns = _n_row_blocks(C, abs(gate_bound))
+    s = C // ns
+    Gb = G.view(N, B, H, ns, s, K)
+    ref = Gb[..., :1, :].detach()                                       # [N, B, H, ns, 1, K]
+    e_row = (Gb - ref).exp()                                            # [N, B, H, ns, s, K], <= 1
+    col_arg = (ref - G.unsqueeze(-3)).masked_fill(_future_cols(ns, s, q.device), 0.0)  # [N, B, H, ns, C, K]
+    k_col = (k.unsqueeze(-3) * col_arg.exp()).transpose(-1, -2)        # [N, B, H, ns, K, C]
+    M = ((k.view(N, B, H, ns, s, K) * e_row) @ k_col).view(N, B, H, C, C).masked_fill(~_tril(C, -1, q.device), 0.0)
+    Aqk = ((q.view(N, B, H, ns, s, K) * e_row) @ k_col).view(N, B, H, C, C).masked_fill(~_tril(C, 0, q.device), 0.0)
+    L = torch.eye(C, dtype=dt, device=q.device) + beta * M                          # unit lower triangular
+    Gam = G.exp()
+    rhs = torch.cat([beta * v, beta * (Gam * k)], dim=-1)
+    UW = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    U, W = UW.split([V, K], dim=-1)                                     # A V, A (Gamma K)
+
+    k_dec = k * (G_last - G).exp()                                      # (Gamma_C / Gamma) K
+    k_dec_t = k_dec.transpose(-1, -2)
+    P = torch.diag_embed(G_last.squeeze(-2).exp()) - k_dec_t @ W        # [N, B, H, K, K]
+    R = k_dec_t @ U                                                     # [N, B, H, K, V]
+    O_intra = Aqk @ U                                                   # [N, B, H, C, V]
+    Q_eff = Gam * q - Aqk @ W                                           # [N, B, H, C, K]
+
+    states = []
+    S = S.reshape(B * H, K, V)
+    for P_n, R_n in zip(P.reshape(N, B * H, K, K).unbind(0), R.reshape(N, B * H, K, V).unbind(0)):
+        states.append(S)  # state hand-off: the only sequential part
+        S = torch.baddbmm(R_n, P_n, S)
+    S_in = torch.stack(states, dim=0)                                   # [N, B*H, K, V] chunk-start states
+    o = torch.baddbmm(O_intra.reshape(-1, C, V), Q_eff.reshape(-1, C, K), S_in.reshape(-1, K, V))
+    o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
+    return o, S.view(B, H, K, V)
+
+
+@dataclass
+class KDACache:
+    """Decode state of one KDA layer.
+
+    ``conv_state [B, 3*H*K, ks-1]``: the last ks-1 raw (pre-conv) q|k|v projections (channel order q, k, v).
+    ``state [B, H, K, V]``: the fp32 recurrent state.
+    """
+
+    conv_state: Tensor
+    state: Tensor
+
+    @classmethod
+    def empty(cls, batch: int, cfg: GLMConfig, device: torch.device | str | None = None) -> KDACache:
+        H, K = cfg.n_heads, cfg.head_dim
+        return cls(
+            conv_state=torch.zeros(batch, 3 * H * K, cfg.kda_conv_size - 1, device=device),
+            state=torch.zeros(batch, H, K, K, device=device, dtype=torch.float32),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.state.shape[0]
+
+    def repeat_interleave(self, n: int) -> KDACache:
+        """Each row replicated n times along the batch (row i -> rows i*n .. i*n+n-1)."""
+        return KDACache(self.conv_state.repeat_interleave(n, dim=0), self.state.repeat_interleave(n, dim=0))
+
+    def index_select(self, rows: Tensor) -> KDACache:
+        """The cache of the given batch rows (a copy)."""
+        rows = rows.to(self.state.device)
+        return KDACache(self.conv_state.index_select(0, rows), self.state.index_select(0, rows))
+
+
+class KDAttention(nn.Module):
+    """Kimi Delta Attention layer (arXiv 2510.26692) with the safe gate; see the module docstring."""
+
+    def __init__(self, cfg: GLMConfig) -> None:
+        super().__init__()
+        d, H, K = cfg.d_model, cfg.n_heads, cfg.head_dim
+        HK = H * K
+        self.n_heads, self.head_dim = H, K
+        self.chunk_size = cfg.kda_chunk_size
+        self.conv_size = cfg.kda_conv_size
+        self.lower_bound = float(cfg.kda_gate_lower_bound)
+        self.init_std = cfg.init_std
+        self.q_proj = nn.Linear(d, HK, bias=False)
+        self.k_proj = nn.Linear(d, HK, bias=False)
+        self.v_proj = nn.Linear(d, HK, bias=False)
+        # One causal depthwise conv over the concatenated q|k|v channels (applied as ks shifted multiply-adds).
+        self.conv = nn.Conv1d(3 * HK, 3 * HK, cfg.kda_conv_size, groups=3 * HK, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.f_a_proj = nn.Linear(d, K, bias=False)      # W_f1
+        self.f_b_proj = nn.Linear(K, HK, bias=False)     # W_f2
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(HK))
+        self.g_a_proj = nn.Linear(d, K, bias=False)      # W_g1
+        self.g_b_proj = nn.Linear(K, HK, bias=True)      # W_g2 (with bias)
+        self.o_norm = RMSNorm(K, eps=cfg.norm_eps)
+        self.o_proj = nn.Linear(HK, d, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.f_a_proj, self.f_b_proj,
+                    self.g_a_proj, self.g_b_proj, self.o_proj):
+            nn.init.normal_(lin.weight, 0.0, self.init_std)
+        nn.init.zeros_(self.g_b_proj.bias)
+        self.conv.reset_parameters()  # PyTorch default (kaiming-uniform over the kernel), as fla's ShortConvolution
+        self.A_log.zero_()            # safe gate: A_log = 0
+        # dt_bias = inverse softplus of dt ~ logU(1e-3, 1e-1)
+        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))).clamp_min(1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.o_norm.weight.fill_(1.0)
+
+    # ---------------------------------------------------------------------------------------------------------------
+    def _short_conv(self, raw_t: Tensor, ctx: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Causal depthwise conv + SiLU over time, in channel-major layout.
+
+        raw_t [B, Ch, T] raw projections; ctx [B, Ch, ks-1] the previous raw inputs, or None for zeros (training).
+        Returns SiLU(conv) as a contiguous [B, T, Ch] tensor and the raw inputs with their context [B, Ch, ks-1+T].
+        """
+        T, ks, Ch = raw_t.shape[-1], self.conv_size, raw_t.shape[1]
+        w = self.conv.weight                                                         # [Ch, 1, ks]
+        xp = F.pad(raw_t, (ks - 1, 0)) if ctx is None else torch.cat([ctx, raw_t], dim=-1)
+        if T == 1:  # decode: one dot product per channel
+            y = (xp * w.squeeze(1)).sum(-1, keepdim=True)
+        else:
+            y = F.conv1d(xp, w, groups=Ch)
+        # SiLU after the layout change, so its forward and backward run on contiguous memory
+        return F.silu(y.transpose(1, 2).contiguous()), xp
+
+    def gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(g, beta) for input x: g [B, T, H, K] in [lb, 0], beta [B, T, H] in (0, 1), fp32."""
+        B, T, _ = x.shape
+        return self._gates(self.f_a_proj(x), self.b_proj(x), B, T)
+
+    def _gates(self, f1: Tensor, b: Tensor, B: int, T: int) -> tuple[Tensor, Tensor]:
+        H, K = self.n_heads, self.head_dim
+        f = self.f_b_proj(f1).float().view(B, T, H, K) + self.dt_bias.float().view(H, K)
+        g = self.lower_bound * torch.sigmoid(self.A_log.float().exp().view(H, 1) * f)
+        return g, torch.sigmoid(b.float())
+
+    def forward(self, x: Tensor, valid: Tensor | None = None, cache: KDACache | None = None) -> Tensor:
+        """x [B, T, C] -> [B, T, C]. ``valid`` [B, T] bool (False = pad); ``cache`` is updated in place."""
+        q, k, v, g, beta, gate, raw = self._features(x, valid, cache)
+        B, T, H, K = q.shape
+        if cache is None:
+            o, _ = kda_chunked(q, k, v, g, beta, self.chunk_size, gate_bound=-self.lower_bound)
+        else:
+            if T == 1:
+                o, S = kda_recurrent(q, k, v, g, beta, initial_state=cache.state)
+            else:
+                o, S = kda_chunked(q, k, v, g, beta, self.chunk_size, initial_state=cache.state,
+                                   gate_bound=-self.lower_bound)
+            self._update_cache(cache, raw, S)
+        o = self.o_norm(o) * torch.sigmoid(gate.float().view(B, T, H, K))
+        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+
+    def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None):
+        """Everything before the recurrence: q, k (unit norm, q scaled), v, g, beta (fp32), the output-gate
+        pre-activation and the raw (masked) q|k|v projections after their conv context [B, 3HK, ks-1+T]."""
+        B, T, _ = x.shape
+        H, K = self.n_heads, self.head_dim
+        HK = H * K
+        w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        w_small = torch.cat([self.f_a_proj.weight, self.g_a_proj.weight, self.b_proj.weight])
+        # q|k|v projections straight into the channel-major layout of the conv: [B, 3HK, T]
+        raw_t = F.linear(x, w_qkv).transpose(1, 2) if T == 1 else torch.matmul(w_qkv, x.transpose(1, 2))
+        f1, g1, b = F.linear(x, w_small).split([K, K, H], dim=-1)
+        if valid is not None:
+            valid = valid.to(device=x.device, dtype=torch.bool)
+            raw_t = raw_t.masked_fill(~valid.unsqueeze(1), 0.0)
+        ctx = None if cache is None else cache.conv_state.to(raw_t.dtype)
+        y, raw_ext = self._short_conv(raw_t, ctx)
+        y = y.float()
+        q, k, v = (t.view(B, T, H, K) for t in y.split(HK, dim=-1))
+        q = F.normalize(q, dim=-1, eps=1e-6) * K ** -0.5
+        k = F.normalize(k, dim=-1, eps=1e-6)
+        g, beta = self._gates(f1, b, B, T)
+        if valid is not None:  # pads are identity steps of the state
+            pad = ~valid
+            k = k.masked_fill(pad[..., None, None], 0.0)
+            g = g.masked_fill(pad[..., None, None], 0.0)
+            beta = beta.masked_fill(pad[..., None], 0.0)
+        gate = self.g_b_proj(g1)
+        return q, k, v, g, beta, gate, raw_ext
+
+    def _update_cache(self, cache: KDACache, raw_ext: Tensor, S: Tensor) -> None:
+        ks = self.conv_size
+        conv_state = raw_ext[..., raw_ext.shape[-1] - (ks - 1):]
+        state = S.float()
+        if torch.is_grad_enabled() and (state.requires_grad or conv_state.requires_grad):
+            cache.conv_state, cache.state = conv_state, state  # keep the graph: rebind instead of writing
+        else:
+            cache.conv_state.copy_(conv_state)
+            cache.state.copy_(state)

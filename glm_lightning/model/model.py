@@ -1,0 +1,160 @@
+"""GLMModel: the one shared model that every training stage wraps. Read top to bottom.
+
+    ids ──embed──> x [B,T,C] ──expand──> streams [B,T,n,C]
+        for each block (pattern "LLLS": KDA, KDA, KDA, DSA, ...):
+            streams = mHC_site(streams, h -> Mixer(RMSNorm(h)))      Mixer = KDA linear attn | DSA sparse attn
+            streams = mHC_site(streams, h -> MoE(RMSNorm(h)))        routed top-k SwiGLU experts + shared expert
+        streams ──mean──> RMSNorm ──> @ embed.T (tied) ──> logits [B,T,V]
+
+aux_loss = sum over layers of the MoE sequence-balance loss and the DSA indexer KL loss (each already weighted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm_lightning.model.cache import LayerCache, ModelCache
+from glm_lightning.model.config import GLMConfig
+from glm_lightning.model.dsa import DSACache, SparseAttention
+from glm_lightning.model.kda import KDACache, KDAttention
+from glm_lightning.model.mhc import HyperConnection, collapse_streams, expand_streams
+from glm_lightning.model.moe import MoE
+from glm_lightning.model.norm import RMSNorm
+
+
+@dataclass
+class GLMOutput:
+    logits: torch.Tensor
+    """[B, T, vocab] next-token logits."""
+    aux_loss: torch.Tensor
+    """Scalar: MoE balance loss + DSA indexer loss over all layers (weighted)."""
+
+
+class Block(nn.Module):
+    """Token mixer (KDA or DSA) and MoE, each wrapped by its own mHC site."""
+
+    def __init__(self, cfg: GLMConfig, kind: str, index: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mixer = KDAttention(cfg) if kind == "L" else SparseAttention(cfg)
+        self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.moe = MoE(cfg)
+        site = dict(n=cfg.hc_streams, dim=cfg.d_model, iters=cfg.sinkhorn_iters, eps=cfg.hc_eps,
+                    alpha_init=cfg.hc_alpha_init, norm_eps=cfg.norm_eps)
+        self.hc_mixer = HyperConnection(**site, site_index=2 * index)
+        self.hc_moe = HyperConnection(**site, site_index=2 * index + 1)
+
+    def forward(self, streams: torch.Tensor, valid: torch.Tensor | None = None,
+                cache: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        aux: list[torch.Tensor] = []
+
+        def mix(h: torch.Tensor) -> torch.Tensor:
+            out = self.mixer(self.mixer_norm(h), valid=valid, cache=cache)
+            if isinstance(out, tuple):  # DSA also returns its indexer loss
+                out, indexer_loss = out
+                aux.append(indexer_loss)
+            return out
+
+        def ffn(h: torch.Tensor) -> torch.Tensor:
+            out, balance_loss = self.moe(self.moe_norm(h))
+            aux.append(balance_loss)
+            return out
+
+        streams = self.hc_mixer(streams, mix)
+        streams = self.hc_moe(streams, ffn)
+        return streams, torch.stack(aux).sum()
+
+
+class GLMModel(nn.Module):
+    """Byte-level GLM-5-style LM: tied embeddings, mHC streams, KDA/DSA hybrid, MoE."""
+
+    def __init__(self, cfg: GLMConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        nn.init.normal_(self.embed.weight, std=cfg.init_std)
+        self.blocks = nn.ModuleList(Block(cfg, kind, i) for i, kind in enumerate(cfg.layer_kinds))
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+    # --- forward ------------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                cache: ModelCache | None = None, input_embeds: torch.Tensor | None = None) -> GLMOutput:
+        """Logits for `input_ids` [B, T] (or precomputed `input_embeds` [B, T, C], e.g. with image tokens spliced in).
+
+        `valid` [B, T] marks real tokens (False = left padding); `cache` (from `new_cache`) makes the call
+        incremental: the tokens continue the sequences held in the cache, which is updated in place.
+        """
+        x = self._embed_checked(input_ids, input_embeds, cache)
+        streams = expand_streams(x, self.cfg.hc_streams)
+        aux = x.new_zeros(())
+        for i, block in enumerate(self.blocks):
+            streams, block_aux = block(streams, valid=valid, cache=None if cache is None else cache.layers[i])
+            aux = aux + block_aux
+        if cache is not None:
+            cache.length += x.shape[1]
+        h = self.final_norm(collapse_streams(streams))
+        return GLMOutput(logits=F.linear(h, self.embed.weight), aux_loss=aux)
+
+    def _embed_checked(self, input_ids: torch.Tensor | None, input_embeds: torch.Tensor | None,
+                       cache: ModelCache | None) -> torch.Tensor:
+        if (input_ids is None) == (input_embeds is None):
+            raise ValueError("pass exactly one of input_ids or input_embeds")
+        if input_embeds is not None:
+            if input_embeds.dim() != 3 or input_embeds.shape[-1] != self.cfg.d_model:
+                raise ValueError(f"input_embeds must be [B, T, {self.cfg.d_model}], got {tuple(input_embeds.shape)}")
+            length = input_embeds.shape[1]
+        else:
+            self.check_ids(input_ids)
+            length = input_ids.shape[1]
+        past = 0 if cache is None else cache.length
+        if past + length > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {past + length} exceeds the configured context "
+                             f"max_seq_len={self.cfg.max_seq_len}")
+        return input_embeds if input_embeds is not None else self.embed(input_ids)
+
+    def check_ids(self, input_ids: torch.Tensor) -> None:
+        """Raise a clear error for a non-[B,T] / non-integer / out-of-range id tensor."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a LongTensor of shape [B, T]")
+        if input_ids.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.cfg.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got range "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+
+    # --- decoding caches ----------------------------------------------------------------------------------------
+    def new_cache(self, batch: int, device: torch.device | None = None) -> ModelCache:
+        """Empty decoding cache: constant-size KDA state for 'L' layers, preallocated KV + indexer keys for 'S'."""
+        device = device or self.embed.weight.device
+        layers: list[LayerCache] = [
+            KDACache.empty(batch, self.cfg, device) if kind == "L" else DSACache.empty(batch, self.cfg, device)
+            for kind in self.cfg.layer_kinds]
+        return ModelCache(layers)
+
+    # --- MoE balancing and logging ------------------------------------------------------------------------------
+    def moe_layers(self) -> list[MoE]:
+        return [b.moe for b in self.blocks]
+
+    def update_balance_bias(self) -> None:
+        """Aux-loss-free balancing: nudge every MoE's selection bias toward equal load (call after optimizer.step)."""
+        for moe in self.moe_layers():
+            moe.update_balance_bias()
+
+    def expert_loads(self) -> dict[int, torch.Tensor]:
+        """Per-layer fraction of routed tokens per expert, as last observed during training."""
+        return {i: moe.expert_load() for i, moe in enumerate(self.moe_layers())}
+
+    # --- parameter accounting -----------------------------------------------------------------------------------
+    def num_parameters(self) -> dict[str, int]:
+        """Total (tied weights counted once) and active per token (only top_k of n_experts routed experts)."""
+        total = sum(p.numel() for p in self.parameters())  # parameters() already deduplicates the tied weight
+        cfg = self.cfg
+        routed = cfg.n_layers * cfg.n_experts * 3 * cfg.d_model * cfg.expert_hidden
+        inactive = routed - routed * cfg.moe_top_k // cfg.n_experts
+        return {"total": total, "active": total - inactive}

@@ -1,0 +1,156 @@
+"""Mixture of experts: sigmoid routing, a shared expert and auxiliary-loss-free load balancing.
+
+Routing follows DeepSeek-V3 (arXiv 2412.19437, section 2.1.2); the bias-based balancing is "Auxiliary-Loss-Free Load
+Balancing Strategy for Mixture-of-Experts" (Wang et al., arXiv 2408.15664).
+
+    s      = sigmoid(x W_r^T)                      fp32 affinities, [N, E]
+    idx    = TopK(s + b, K)                        b: per-expert bias buffer, used for *selection only*
+    w      = s[idx] / sum s[idx]   (only if K > 1) the gates use the unbiased s, so W_r gets gradient through w
+    w     *= routed_scaling
+    y      = sum_k w_k E_{idx_k}(x) + Shared(x)    E(x) = W2(SiLU(W1 x) * W3 x)
+
+After every optimizer step the owner calls :meth:`MoE.update_balance_bias`, which applies
+``b_i <- b_i + gamma * sign(mean_j load_j - load_i)`` using the token counts accumulated by the training-mode forwards
+since the previous update. The bias is an fp32 buffer: it is checkpointed, but never seen by the optimizer.
+
+A small sequence-wise balance loss (DeepSeek-V3 eq. 17-20) is returned as the auxiliary output:
+
+    f_i = E / (K T) * #{t : i in TopK_t}     (no gradient)
+    P_i = mean_t s'_{i,t},  s' = s / sum_j s_j  (gradient flows here)
+    L   = alpha * sum_i f_i P_i,  averaged over the sequences of the batch.
+
+Dispatch sorts the N*K (token, expert) assignments by expert once and runs each expert only on its own tokens
+(no capacity limit, no dropped tokens); the weighted results are summed back per token with ``index_add``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glm_lightning.model.config import GLMConfig
+
+
+class MoE(nn.Module):
+    """Routed SwiGLU experts (top-K of E, sigmoid gates) plus an always-on shared SwiGLU expert.
+
+    Parameters: ``router_weight`` [E, d], ``w_gate_up`` [E, 2h, d] (gate rows first, then up rows), ``w_down``
+    [E, d, h], and when ``shared_expert_hidden > 0`` ``shared_gate_up`` [2h_s, d] and ``shared_down`` [d, h_s].
+    Buffers: ``expert_bias`` [E] (fp32, persistent), ``load_counts`` [E] and ``last_load`` [E] (fp32, not saved).
+    """
+
+    def __init__(self, cfg: GLMConfig) -> None:
+        super().__init__()
+        d, E, h, hs = cfg.d_model, cfg.n_experts, cfg.expert_hidden, cfg.shared_expert_hidden
+        self.d_model, self.n_experts, self.top_k = d, E, cfg.moe_top_k
+        self.expert_hidden, self.shared_hidden = h, hs
+        self.routed_scaling = cfg.routed_scaling
+        self.balance_bias_rate = cfg.balance_bias_rate
+        self.balance_loss_weight = cfg.balance_loss_weight
+
+        std = cfg.init_std
+        self.router_weight = nn.Parameter(torch.empty(E, d).normal_(0.0, std))
+        self.w_gate_up = nn.Parameter(torch.empty(E, 2 * h, d).normal_(0.0, std))
+        self.w_down = nn.Parameter(torch.empty(E, d, h).normal_(0.0, std))
+        if hs > 0:
+            self.shared_gate_up = nn.Parameter(torch.empty(2 * hs, d).normal_(0.0, std))
+            self.shared_down = nn.Parameter(torch.empty(d, hs).normal_(0.0, std))
+        else:
+            self.register_parameter("shared_gate_up", None)
+            self.register_parameter("shared_down", None)
+
+        self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+        self.register_buffer("load_counts", torch.zeros(E, dtype=torch.float32), persistent=False)
+        self.register_buffer("last_load", torch.zeros(E, dtype=torch.float32), persistent=False)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Route tokens ``x`` [..., d]: returns fp32 scores ``s`` [..., E], expert ids ``idx`` [..., K] and fp32 gate
+        weights ``w`` [..., K] (unbiased ``s`` of the chosen experts, renormalised when K > 1, times the scaling)."""
+        s = torch.sigmoid(F.linear(x.float(), self.router_weight.float()))
+        choice = s.detach() + self.expert_bias.float()
+        idx = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        w = s.gather(-1, idx)
+        if self.top_k > 1:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return s, idx, w * self.routed_scaling
+
+    @staticmethod
+    def _swiglu(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
+        gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w_down)
+
+    def _dispatch(self, x: Tensor, idx: Tensor, w: Tensor, counts: list[int]) -> Tensor:
+        """Routed output for flat tokens x [N, d] with choices idx [N, K], gates w [N, K], per-expert counts."""
+        K = self.top_k
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // K  # token of each sorted assignment
+        xs = x.index_select(0, token)
+        outs = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue  # empty expert: nothing to compute, no NaN, zero gradient
+            outs.append(self._swiglu(xs[start:start + n], self.w_gate_up[e], self.w_down[e]))
+            start += n
+        if not outs:  # no tokens at all
+            return torch.zeros_like(x)
+        ys = torch.cat(outs, dim=0) * w.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, token, ys)
+
+    def _balance_loss(self, s: Tensor, idx: Tensor) -> Tensor:
+        """Sequence-wise balance loss from scores s [B, T, E] and choices idx [B, T, K]."""
+        B, T, E = s.shape
+        K = self.top_k
+        with torch.no_grad():
+            hits = torch.zeros(B, E, device=s.device, dtype=s.dtype)
+            hits.scatter_add_(1, idx.reshape(B, T * K), torch.ones(B, T * K, device=s.device, dtype=s.dtype))
+            f = hits * (E / (K * T))
+        p = (s / s.sum(dim=-1, keepdim=True)).mean(dim=1)  # [B, E]
+        return self.balance_loss_weight * (f * p).sum(dim=-1).mean()
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``x`` [B, T, d] -> (``y`` [B, T, d], scalar fp32 balance loss; 0 if its weight is 0 or no tokens)."""
+        B, T, d = x.shape
+        xf = x.reshape(B * T, d)
+        s, idx, w = self.route(xf)
+        counts_t = torch.bincount(idx.reshape(-1), minlength=self.n_experts)
+        if self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.load_counts += counts_t.to(self.load_counts.dtype)
+        y = self._dispatch(xf, idx, w, counts_t.tolist())
+        if self.shared_gate_up is not None:
+            y = y + self._swiglu(xf, self.shared_gate_up, self.shared_down)
+        if self.balance_loss_weight > 0 and B * T > 0:
+            aux = self._balance_loss(s.view(B, T, self.n_experts), idx.view(B, T, self.top_k))
+        else:
+            aux = torch.zeros((), device=x.device, dtype=torch.float32)
+        return y.view(B, T, d), aux
+
+    # ----------------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_balance_bias(self) -> None:
+        """Aux-loss-free bias step from the loads counted since the last call; call after each optimizer step.
+
+        Under an initialised torch.distributed process group the counts are summed over ranks first (every rank
+        must call this, so the collective always runs). A no-op when no training-mode tokens were counted."""
+        counts = self.load_counts.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(counts)
+        total = counts.sum()
+        if total.item() == 0:
+            return
+        self.expert_bias += self.balance_bias_rate * torch.sign(counts.mean() - counts)
+        self.last_load.copy_(counts / total)
+        self.load_counts.zero_()
+
+    def expert_load(self) -> Tensor:
+        """Load fractions [E] (summing to 1) observed at the last :meth:`update_balance_bias`; zeros before it."""
+        return self.last_load.clone()
+
+    def extra_repr(self) -> str:
+        return (f"d={self.d_model}, experts={self.n_experts}, top_k={self.top_k}, hidden={self.expert_hidden}, "
+                f"shared_hidden={self.shared_hidden}, routed_scaling={self.routed_scaling}")

@@ -1,0 +1,104 @@
+"""GLMTaskModule: what every stage (pre-training, vision, RL) shares around the ONE shared `GLMModel`.
+
+- builds the model from a preset name plus field overrides (`--model.init_args.model_overrides '{d_model: 64}'`);
+- optionally loads only the model weights (and checks the config) from an earlier stage's checkpoint
+  (`init_weights`), since `--ckpt_path` resumes the *same* stage;
+- AdamW with weight-decay exclusions (norms, biases, embeddings, gates, mHC and KDA gate parameters), linear
+  warm-up and cosine decay to `min_lr_ratio * lr`, built from trainable parameters only (so freezing callbacks work).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from glm_lightning.model import GLMConfig, GLMModel
+
+NO_DECAY_MARKERS = ("bias", "norm", "embed", "A_log", "dt_bias", "alpha", "phi", "router")
+
+
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
+    """Vectors (norm scales, biases, gate offsets) and embeddings/routers/mHC maps are not decayed."""
+    return param.dim() < 2 or any(marker in name for marker in NO_DECAY_MARKERS)
+
+
+def load_model_checkpoint(path: str | Path) -> tuple[GLMConfig, dict[str, torch.Tensor]]:
+    """Model config and weights from a Lightning checkpoint of any glm-lightning stage (or a raw export)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if "glm_config" not in ckpt:
+        raise ValueError(f"{path} is not a glm-lightning checkpoint (no 'glm_config' entry)")
+    state = ckpt.get("state_dict", ckpt.get("model_state_dict", {}))
+    model_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    if not model_state:
+        model_state = state
+    return GLMConfig(**ckpt["glm_config"]), model_state
+
+
+class GLMTaskModule(pl.LightningModule):
+    """Base class of the stage modules; owns the shared model, optimizer and schedule."""
+
+    def __init__(
+        self,
+        preset: str = "flash-25m",
+        model_overrides: dict[str, Any] | None = None,
+        init_weights: str | None = None,
+        lr: float = 3e-3,
+        min_lr_ratio: float = 0.1,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 50,
+    ) -> None:
+        super().__init__()
+        cfg = GLMConfig.preset(preset, **(model_overrides or {}))
+        self.glm_config = cfg
+        self.model = GLMModel(cfg)
+        if init_weights:
+            self.load_model_weights(init_weights)
+        if lr <= 0 or not 0 <= min_lr_ratio <= 1 or weight_decay < 0 or warmup_steps < 0:
+            raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1, weight_decay >= 0, warmup_steps >= 0")
+
+    # --- weights from earlier stages -----------------------------------------------------------------------------
+    def load_model_weights(self, path: str | Path, strict: bool = True) -> None:
+        """Load only the shared model's weights; the checkpoint's model config must match this module's."""
+        cfg, state = load_model_checkpoint(path)
+        mine, theirs = self.glm_config.to_dict(), cfg.to_dict()
+        diff = {k: (theirs[k], mine[k]) for k in mine if k in theirs and mine[k] != theirs[k] and k != "vocab_size"}
+        if diff:
+            raise ValueError(f"checkpoint {path} was trained with a different model config "
+                             f"(field: checkpoint vs this run): {diff}")
+        self.model.load_state_dict(state, strict=strict)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["glm_config"] = self.glm_config.to_dict()
+
+    # --- optimisation -------------------------------------------------------------------------------------------
+    def param_groups(self) -> list[dict[str, Any]]:
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if p.requires_grad:
+                (no_decay if no_weight_decay(name, p) else decay).append(p)
+        if not decay and not no_decay:
+            raise ValueError("no trainable parameters (everything is frozen)")
+        return [{"params": decay, "weight_decay": self.hparams.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]
+
+    def lr_lambda(self, step: int) -> float:
+        """Linear warm-up then cosine decay to min_lr_ratio, over the trainer's planned optimizer steps."""
+        hp = self.hparams
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer else 1
+        if step < hp.warmup_steps:
+            return (step + 1) / (hp.warmup_steps + 1)
+        progress = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
+        return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        opt = torch.optim.AdamW(self.param_groups(), lr=self.hparams.lr, betas=tuple(self.hparams.betas))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

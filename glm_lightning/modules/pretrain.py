@@ -1,0 +1,148 @@
+"""PretrainModule: next-token pre-training of the shared model on code corpora.
+
+loss = cross-entropy over non-pad targets + the model's aux_loss (MoE balance + DSA indexer KL). After every
+optimizer step the MoE selection biases take one aux-loss-free balancing step. Validation reports loss,
+bits-per-byte and teacher-forced accuracy over completion bytes; on function corpora it also generates greedy
+completions for held-out task identities and runs them in the sandboxed verifier (`val/dev_pass`, per family).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torchmetrics import MeanMetric
+
+from glm_lightning.evaluation import pass_rates, sample_completions, verify_samples
+from glm_lightning.modules.base import GLMTaskModule
+
+IGNORE = -100
+
+
+class PretrainModule(GLMTaskModule):
+    """Pre-training stage. Batches: `input_ids`, `targets` (-100 = ignore), `completion_mask` [B, T]."""
+
+    def __init__(
+        self,
+        preset: str = "flash-25m",
+        model_overrides: dict[str, Any] | None = None,
+        init_weights: str | None = None,
+        lr: float = 3e-3,
+        min_lr_ratio: float = 0.1,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 50,
+        dev_eval: bool = True,
+        dev_max_new_tokens: int = 48,
+        verifier_workers: int = 2,
+        verifier_timeout_s: float = 2.0,
+        samples_in_log: int = 8,
+        expert_histogram_every_n_steps: int = 50,
+    ) -> None:
+        super().__init__(preset, model_overrides, init_weights, lr, min_lr_ratio, weight_decay, betas, warmup_steps)
+        self.save_hyperparameters()
+        self.val_loss = MeanMetric()
+        self.val_bpb, self.val_completion_acc = MeanMetric(), MeanMetric()
+        self._verifier = None
+        self._tokens_seen = 0
+        self._t_last: float | None = None
+
+    # --- losses -------------------------------------------------------------------------------------------------
+    def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self.model(batch["input_ids"])
+        logits = out.logits.float()
+        ce = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=IGNORE)
+        return ce, out.aux_loss, logits
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ce, aux, _ = self._losses(batch)
+        n_tokens = int((batch["targets"] != IGNORE).sum())
+        self.log("train/loss", ce, prog_bar=True)
+        self.log("train/aux_loss", aux)
+        self.log("train/bpb", ce / math.log(2))
+        self._log_throughput(n_tokens)
+        return ce + aux
+
+    def _log_throughput(self, n_tokens: int) -> None:
+        now = time.perf_counter()
+        if self._t_last is not None and now > self._t_last:
+            self.log("train/tokens_per_s", n_tokens / (now - self._t_last), prog_bar=True)
+        self._t_last = now
+        self._tokens_seen += n_tokens
+        self.log("train/tokens_seen", float(self._tokens_seen))
+
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        # called once per optimizer step, after step(): one aux-loss-free balancing update from this step's loads
+        if self.training:
+            self.model.update_balance_bias()
+            every = self.hparams.expert_histogram_every_n_steps
+            if every and self.global_step % every == 0:
+                self._log_expert_loads()
+
+    def _log_expert_loads(self) -> None:
+        writer = getattr(self.logger, "experiment", None)
+        if writer is None or not hasattr(writer, "add_histogram"):
+            return
+        for layer, load in self.model.expert_loads().items():
+            if load is not None and load.numel():
+                # one histogram per layer: expert index weighted by its share of routed tokens
+                idx = torch.arange(load.numel(), dtype=torch.float)
+                writer.add_histogram(f"experts/load_layer{layer}", idx.repeat_interleave(
+                    (load.float() * 1000).round().long().clamp(min=0)), self.global_step)
+                self.log(f"experts/max_over_mean_layer{layer}", float(load.max() * load.numel()))
+
+    # --- validation ---------------------------------------------------------------------------------------------
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        ce, _, logits = self._losses(batch)
+        n_tokens = int((batch["targets"] != IGNORE).sum())
+        self.val_loss(ce, n_tokens)
+        self.val_bpb(ce / math.log(2), n_tokens)
+        mask = batch["completion_mask"]
+        if mask.any():
+            correct = (logits.argmax(-1) == batch["targets"])[mask].float()
+            self.val_completion_acc(correct.mean(), correct.numel())
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/bpb", self.val_bpb)
+        self.log("val/completion_acc", self.val_completion_acc, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking or not self.hparams.dev_eval:
+            return
+        dm = self.trainer.datamodule
+        tasks = list(getattr(dm, "dev_tasks", None) or [])
+        if not tasks:
+            return
+        sampled = sample_completions(self.model, tasks, max_new_tokens=self.hparams.dev_max_new_tokens)
+        verdicts = verify_samples(self.verifier, sampled)
+        passed = [v[0].status == "passed" for v in verdicts]
+        rates = pass_rates(tasks, passed)
+        self.log("val/dev_pass", rates.pop("all"), prog_bar=True)
+        self.log_dict({f"val/dev_pass/{fam}": r for fam, r in rates.items()})
+        self._log_samples(sampled, verdicts)
+
+    def _log_samples(self, sampled: list[Any], verdicts: list[list[Any]]) -> None:
+        writer = getattr(self.logger, "experiment", None)
+        if writer is None or not hasattr(writer, "add_text"):
+            return
+        rows = ["| task | verdict | completion |", "|---|---|---|"]
+        for s, v in list(zip(sampled, verdicts))[: self.hparams.samples_in_log]:
+            code = s.completions[0].strip().replace("|", "\\|").replace("\n", " ⏎ ")
+            rows.append(f"| `{s.task.entry_point}` | {v[0].status} ({v[0].passed_cases}/{v[0].total_cases}) "
+                        f"| `{code}` |")
+        writer.add_text("samples/dev", "\n".join(rows), self.global_step)
+
+    @property
+    def verifier(self) -> Any:
+        if self._verifier is None:
+            from glm_lightning.verifier import Verifier
+
+            self._verifier = Verifier(timeout_s=self.hparams.verifier_timeout_s, workers=self.hparams.verifier_workers)
+        return self._verifier
+
+    def teardown(self, stage: str) -> None:
+        if self._verifier is not None:
+            self._verifier.close()
+            self._verifier = None

@@ -1,0 +1,171 @@
+"""The in-process guard: a `sys.addaudithook` installed in the sandbox child before candidate code runs.
+
+This is the *second* layer. The first layer is the operating system (separate process, dropped uid, rlimits,
+namespaces, process-group kill; see child.py and zygote.py). The hook turns the common escapes into a recorded
+violation (the verdict becomes "error") instead of relying only on the OS to make them fail:
+
+* process creation and signalling: os.system/exec*/spawn*/posix_spawn/fork/forkpty, subprocess.Popen, os.kill;
+* network: every socket.* event; ctypes/cffi and other native-code back doors (their import and their events);
+* debugging/introspection hooks: sys.settrace/setprofile, gc.get_objects/get_referrers/get_referents,
+  sys._current_frames, sys.addaudithook;
+* file system: writes, renames, deletes, chmod... anywhere outside the private working directory, reads outside the
+  working directory and the standard library, links and chdir. fd and dir_fd arguments are judged by the path the
+  fd points to (readlink of /proc/self/fd/N), so `shutil.rmtree` inside the working directory still works.
+
+Frame access (`sys._getframe`, `tb_frame`, `gi_frame`, ...) is denied quietly with ValueError/AttributeError
+(not recorded): the standard library probes `sys._getframe` inside `collections.namedtuple`, `typing.TypeVar` and
+`enum`, and catches exactly those two exceptions, so legal code keeps working.
+
+Audit hooks cannot be removed once installed, and `importlib.reload(os)` or `posix.system` still raise the same
+events. The hook only closes over values captured at install time and only unbound methods of built-in types, so
+candidate code that patches `builtins`, `os.path` or `str` helpers cannot change its decisions. It never calls
+candidate objects (a non-str/bytes path is simply denied). Stdlib only: this module runs inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+BLOCKED_EVENTS = frozenset(
+    {
+        "os.system", "os.fork", "os.forkpty", "os.posix_spawn", "os.kill", "os.killpg", "os.chdir", "os.fchdir",
+        "os.chroot", "os.link", "os.symlink", "os.startfile", "os.setxattr", "os.removexattr", "os.chflags",
+        "os.lchflags", "pty.spawn", "signal.pthread_kill", "subprocess.Popen", "sys.addaudithook", "sys.settrace",
+        "sys.setprofile", "sys._current_frames", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+        "resource.prlimit", "webbrowser.open", "msvcrt.open_osfhandle",
+    }
+)
+BLOCKED_PREFIXES = ("os.exec", "os.spawn", "socket.", "ctypes.", "_ctypes.", "cffi.", "urllib.", "ftplib.",
+                    "http.", "smtplib.", "poplib.", "imaplib.", "nntplib.", "telnetlib.", "sqlite3.", "syslog.")
+BLOCKED_IMPORTS = frozenset({"ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "_xxsubinterpreters",
+                             "_xxinterpchannels", "_testcapi", "_testinternalcapi", "_tkinter", "readline"})
+QUIET_FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+PATH_WRITE_EVENTS = frozenset({"os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate",
+                               "os.utime", "os.mkfifo", "os.mknod"})
+READABLE_DEVICES = ("/dev/null", "/dev/urandom", "/dev/random", "/dev/zero")
+MAX_WRITE_OPENS = 64  # with RLIMIT_FSIZE = 1 MiB this bounds what one candidate can put on disk (or in tmpfs)
+
+
+class SandboxViolation(PermissionError):
+    """Raised into candidate code when it attempts a forbidden operation (recorded even if caught)."""
+
+
+def stdlib_roots() -> tuple[str, ...]:
+    """Directories candidate code may read from: the standard library (imports read .py/.pyc files)."""
+    roots = []
+    for entry in sys.path:
+        if entry and os.path.isabs(entry):
+            real = os.path.realpath(entry)
+            roots.extend(p for p in {entry, real} if p not in roots)
+    return tuple(roots)
+
+
+def install(workdir: str, read_roots: tuple[str, ...], violations: list) -> None:
+    """Install the audit hook. `violations` receives one string per blocked operation (append only)."""
+    _type, _str, _bytes, _int = type, str, bytes, int
+    _startswith = str.startswith
+    _split = str.split
+    _partition = str.partition
+    _decode = bytes.decode
+    _append = list.append
+    _len = len
+    _ValueError, _AttributeError, _OSError = ValueError, AttributeError, OSError
+    _readlink = os.readlink
+    _Violation = SandboxViolation
+    _blocked, _prefixes, _blocked_imports = BLOCKED_EVENTS, BLOCKED_PREFIXES, BLOCKED_IMPORTS
+    _quiet_attrs, _write_events, _write_flags = QUIET_FRAME_ATTRS, PATH_WRITE_EVENTS, WRITE_FLAGS
+    _devices = READABLE_DEVICES
+    write_opens = [MAX_WRITE_OPENS]
+    _workdir = workdir
+    _workdir_slash = workdir + "/"
+    _roots = tuple(r + "/" for r in read_roots)
+
+    def _fd_path(fd: int) -> str | None:
+        """Path of an open fd (a directory fd used with dir_fd=, or os.scandir(fd)); pipes etc. give None."""
+        try:
+            target = _readlink("/proc/self/fd/" + _str(fd))
+        except _OSError:
+            return None
+        return target if _type(target) is _str and _startswith(target, "/") else None
+
+    def _normalise(path: object, dir_fd: object = None) -> str | None:
+        """Absolute, '..'-free path string, or None when the path is not something we can judge safely."""
+        if _type(path) is _int:
+            return _fd_path(path) if dir_fd is None else None
+        if _type(path) is _bytes:
+            path = _decode(path, "utf-8", "surrogateescape")
+        if _type(path) is not _str:
+            return None
+        if not _startswith(path, "/"):
+            if dir_fd is None or dir_fd == -1:
+                path = _workdir_slash + path
+            elif _type(dir_fd) is _int:
+                base = _fd_path(dir_fd)
+                if base is None:
+                    return None
+                path = base + "/" + path
+            else:
+                return None
+        if ".." in _split(path, "/"):
+            return None
+        return path
+
+    def _may_write(path: object, dir_fd: object = None) -> bool:
+        p = _normalise(path, dir_fd)
+        return p is not None and (p == _workdir or _startswith(p, _workdir_slash))
+
+    def _may_read(path: object, dir_fd: object = None) -> bool:
+        p = _normalise(path, dir_fd)
+        if p is None:
+            return False
+        return p == _workdir or _startswith(p, _workdir_slash) or _startswith(p + "/", _roots) or p in _devices
+
+    def _deny(event: str, what: object = "") -> None:
+        message = event + " " + what[:120] if _type(what) is _str and what else event
+        _append(violations, message)
+        raise _Violation("sandbox: blocked " + message)
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "exec" or event == "compile":
+            return
+        if event == "object.__getattr__":
+            if _len(args) == 2 and args[1] in _quiet_attrs:
+                raise _AttributeError("frame access is disabled in the sandbox")
+            return
+        if event == "sys._getframe":
+            raise _ValueError("frame access is disabled in the sandbox")
+        if event in _blocked or _startswith(event, _prefixes):
+            _deny(event)
+        if event == "import":
+            name = args[0]
+            if _type(name) is _str and _partition(name, ".")[0] in _blocked_imports:
+                _deny(event, name)
+            return
+        if event == "open":
+            path, mode, flags = args[0], args[1], args[2]
+            writing = _type(flags) is _int and flags & _write_flags
+            if _type(mode) is _str and ("w" in mode or "a" in mode or "x" in mode or "+" in mode):
+                writing = True
+            if not (_may_write(path) if writing else _may_read(path)):
+                _deny(event, path if _type(path) is _str else "<non-str path>")
+            if writing:
+                write_opens[0] -= 1
+                if write_opens[0] < 0:
+                    _deny(event, "too many files opened for writing")
+            return
+        if event == "os.rename":
+            if not (_may_write(args[0], args[2]) and _may_write(args[1], args[3])):
+                _deny(event, "outside the working directory")
+            return
+        if event in _write_events:
+            dir_fd = args[-1] if _len(args) > 1 and event != "os.truncate" else None
+            if not _may_write(args[0], dir_fd):
+                _deny(event, args[0] if _type(args[0]) is _str else "<fd or non-str path>")
+            return
+        if event == "os.listdir" or event == "os.scandir":
+            if args[0] is not None and not _may_read(args[0]):
+                _deny(event, args[0] if _type(args[0]) is _str else "<non-str path>")
+            return
+
+    sys.addaudithook(hook)

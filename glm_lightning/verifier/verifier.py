@@ -1,0 +1,182 @@
+"""Public entry point: validate the caller's input, run candidates through the zygote pool, judge the replies."""
+
+from __future__ import annotations
+
+import json
+import keyword
+import math
+import secrets
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from . import child, protocol
+from .judge import judge
+from .pool import ZygotePool
+from .verdict import Verdict
+
+MAX_SOURCE_CHARS = 200_000
+MAX_TESTS = 1_000
+MIN_MEMORY_MB = 64
+
+Test = tuple[tuple, Any]
+
+
+class Verifier:
+    """Runs untrusted Python functions against hidden tests in sandboxed child processes.
+
+        with Verifier(timeout_s=2.0, memory_mb=256, workers=2) as v:
+            v.check("def inc(x):\\n    return x + 1\\n", "inc", [((1,), 2), ((5,), 6)]).status   # "passed"
+
+    `workers` zygote servers are started immediately (each a clean `python -I -S` process that forks one confined
+    child per candidate); `protections` reports what the start-up probe found enforced on this machine.
+    `timeout_s` bounds each candidate's whole run (module body plus every test), wall clock, enforced by the
+    zygote with a process-group SIGKILL; RLIMIT_CPU is a second bound.
+    """
+
+    def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256, workers: int = 2) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+                or not 0 < timeout_s <= 600:
+            raise ValueError(f"timeout_s must be a number in (0, 600], got {timeout_s!r}")
+        if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or not MIN_MEMORY_MB <= memory_mb <= 1 << 20:
+            raise ValueError(f"memory_mb must be an int >= {MIN_MEMORY_MB}, got {memory_mb!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= 64:
+            raise ValueError(f"workers must be an int in [1, 64], got {workers!r}")
+        self.timeout_s = float(timeout_s)
+        self.memory_mb = memory_mb
+        self.workers = workers
+        self._pool = ZygotePool(workers, memory_mb)
+        self._finalizer = weakref.finalize(self, self._pool.close)  # also runs at interpreter exit
+        self.stats: dict[str, float] = {"candidates": 0, "fork_setup_s": 0.0, "run_s": 0.0, "collect_s": 0.0,
+                                        "round_trip_s": 0.0}
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop every zygote (and with it any running candidate) and remove the scratch directory. Idempotent."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> Verifier:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- reporting -----------------------------------------------------------------------------------------------
+    @property
+    def protections(self) -> dict[str, Any]:
+        """What isolates candidates here, as detected at start-up (see docs/verifier.md)."""
+        zygote = self._pool.zygotes[0]
+        probe = zygote.hello.get("probe", {})
+        launcher = zygote.launcher
+        return {
+            "process_model": "zygote: clean `python -I -S -B` server per worker, one forked child per candidate",
+            "launcher": launcher,
+            "network_namespace": probe.get("interfaces") == ["lo"] and probe.get("loopback") != "connected",
+            "loopback_probe": probe.get("loopback"),
+            "pid_namespace": bool(probe.get("pid_namespace")),
+            "kill_on_parent_exit": "--kill-child" in launcher,
+            "unprivileged_uid": probe.get("uid") if probe.get("uid") not in (None, 0) else None,
+            "nproc_enforced": bool(probe.get("fork_blocked")),
+            "outside_write_blocked": bool(probe.get("outside_write_blocked")),
+            "audit_hook": True,
+            "rlimits": {"cpu_s": int(self.timeout_s) + 2, "address_space_mb": self.memory_mb,
+                        "file_size_bytes": child.FILE_SIZE_LIMIT, "open_files": child.OPEN_FILES_LIMIT,
+                        "processes": 0, "core_bytes": 0},
+            "wall_clock_timeout_s": self.timeout_s,
+            "process_group_kill": True,
+            "clean_environment": True,
+            "private_workdir": True,
+            "stdio_devnull": True,
+            "expected_values_in_child": False,
+            "pidfd": bool(probe.get("pidfd")),
+            "preloaded_modules": len(zygote.hello.get("preloaded", [])),
+        }
+
+    # -- checking ------------------------------------------------------------------------------------------------
+    def check(self, source: str, entry_point: str, tests: Sequence[Test]) -> Verdict:
+        """Run one candidate against `tests` = [(args_tuple, expected), ...]."""
+        return self.check_many([(source, entry_point, tests)])[0]
+
+    def check_many(self, items: Sequence[tuple[str, str, Sequence[Test]]]) -> list[Verdict]:
+        """Check many candidates in parallel across the workers; verdicts in input order.
+
+        Every item is validated before anything runs, so bad input raises TypeError/ValueError in the caller.
+        """
+        if self.closed:
+            raise RuntimeError("the verifier is closed")
+        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+            raise TypeError("check_many expects a sequence of (source, entry_point, tests) tuples")
+        prepared = []
+        for position, item in enumerate(items):
+            if not isinstance(item, (tuple, list)) or len(item) != 3:
+                raise TypeError(f"item {position}: expected a (source, entry_point, tests) tuple")
+            prepared.append(_prepare(*item))
+        if not prepared:
+            return []
+        jobs = []
+        for source, entry_point, inputs, _ in prepared:
+            jobs.append({"id": self._pool.next_id(), "source": source, "entry_point": entry_point,
+                         "inputs": inputs, "nonce": secrets.token_hex(8), "timeout_s": self.timeout_s,
+                         "memory_mb": self.memory_mb})
+        replies = self._pool.run(jobs, self.timeout_s)
+        verdicts = []
+        for job, (_, entry_point, _, tests), reply in zip(jobs, prepared, replies):
+            verdicts.append(judge(reply, job["nonce"], entry_point, tests, self.timeout_s))
+            self._record_timing(reply)
+        return verdicts
+
+    def _record_timing(self, reply: Any) -> None:
+        """Accumulate the per-candidate cost breakdown (used by the benchmark)."""
+        header = reply.header
+        if reply.error is not None or not header or header.get("timed_out"):
+            return
+        try:
+            started = float(reply.payload.split(b"\n", 1)[0][5:-1])  # ["t",<time>]
+            t_fork, t_exit, t_done = float(header["t_fork"]), float(header["t_exit"]), float(header["t_done"])
+        except (ValueError, KeyError, TypeError, IndexError):
+            return
+        if not t_fork <= started <= t_exit <= t_done:
+            return
+        self.stats["candidates"] += 1
+        self.stats["fork_setup_s"] += started - t_fork
+        self.stats["run_s"] += t_exit - started
+        self.stats["collect_s"] += t_done - t_exit
+        self.stats["round_trip_s"] += reply.done_at - reply.sent_at
+
+
+def _prepare(source: Any, entry_point: Any, tests: Any) -> tuple[str, str, list, list[Test]]:
+    """Validate one item; returns (source, entry_point, tagged inputs, tests with expected values snapshotted)."""
+    if not isinstance(source, str):
+        raise TypeError(f"source must be a str, got {type(source).__name__}")
+    source = str.__str__(source)
+    if len(source) > MAX_SOURCE_CHARS:
+        raise ValueError(f"source is longer than {MAX_SOURCE_CHARS} characters")
+    if not isinstance(entry_point, str):
+        raise TypeError(f"entry_point must be a str, got {type(entry_point).__name__}")
+    entry_point = str.__str__(entry_point)
+    if not entry_point.isidentifier() or keyword.iskeyword(entry_point):
+        raise ValueError(f"entry_point must be a Python identifier, got {entry_point!r}")
+    if isinstance(tests, (str, bytes)) or not isinstance(tests, (list, tuple)):
+        raise TypeError("tests must be a list of (args_tuple, expected) pairs")
+    if not tests:
+        raise ValueError("tests must not be empty (a candidate with no tests would pass vacuously)")
+    if len(tests) > MAX_TESTS:
+        raise ValueError(f"at most {MAX_TESTS} tests per candidate")
+    inputs, snapshot = [], []
+    for index, case in enumerate(tests):
+        if not isinstance(case, (tuple, list)) or len(case) != 2 or type(case[0]) is not tuple:
+            raise TypeError(f"test {index}: expected an (args_tuple, expected) pair, got {case!r:.80}")
+        args, expected = case
+        try:
+            args_text = protocol.encode(args)
+            expected_value = protocol.loads(protocol.encode(expected))
+        except protocol.EncodeError as exc:
+            raise TypeError(f"test {index}: {exc}") from None
+        inputs.append(json.loads(args_text))
+        snapshot.append((args, expected_value))
+    return source, entry_point, inputs, snapshot
+

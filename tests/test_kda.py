@@ -1,0 +1,300 @@
+"""Kimi Delta Attention: chunked == recurrent (values, states, gradients), causality, pads, caches, gates, grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glm_lightning.model.config import GLMConfig
+from glm_lightning.model.kda import KDACache, KDAttention, kda_chunked, kda_recurrent
+
+LB = -5.0
+
+
+def _inputs(B, T, H, K, V, dtype=torch.float32, seed=0, lb=LB):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1) * K ** -0.5
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
+    g = lb * torch.rand(B, T, H, K, generator=gen, dtype=dtype)  # the safe gate's range [lb, 0]
+    beta = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    s0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
+    return q, k, v, g, beta, s0
+
+
+def _run_with_grads(fn, inputs, seed=1):
+    xs = [x.clone().requires_grad_() for x in inputs]
+    o, s = fn(*xs)
+    gen = torch.Generator().manual_seed(seed)
+    wo = torch.randn(o.shape, generator=gen, dtype=o.dtype)
+    ws = torch.randn(s.shape, generator=gen, dtype=s.dtype)
+    grads = torch.autograd.grad((o * wo).sum() + (s * ws).sum(), xs)
+    return o.detach(), s.detach(), grads
+
+
+def _cfg(**kw):
+    base = dict(d_model=32, n_heads=2, head_dim=8, n_kv_heads=2, kda_chunk_size=8, max_seq_len=64, init_std=0.2)
+    base.update(kw)
+    return GLMConfig(**base)
+
+
+def _layer(seed=0, **kw):
+    torch.manual_seed(seed)
+    layer = KDAttention(_cfg(**kw))
+    with torch.no_grad():  # spread the decay over the whole safe-gate range so the state hand-off matters
+        layer.dt_bias.normal_(0.0, 2.0)
+        layer.A_log.normal_(0.0, 0.5)
+    return layer
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# pure functions
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("T", [1, 5, 31, 33, 70])
+def test_chunked_matches_recurrent_fp32(chunk, T):
+    inputs = _inputs(2, T, 2, 8, 6, seed=T)
+    o_r, s_r, g_r = _run_with_grads(lambda q, k, v, g, b, s0: kda_recurrent(q, k, v, g, b, s0), inputs)
+    o_c, s_c, g_c = _run_with_grads(lambda q, k, v, g, b, s0: kda_chunked(q, k, v, g, b, chunk, s0), inputs)
+    assert o_c.dtype == s_c.dtype == torch.float32
+    assert o_c.shape == o_r.shape == (2, T, 2, 6) and s_c.shape == (2, 2, 8, 6)
+    torch.testing.assert_close(o_c, o_r, rtol=0, atol=2e-6)
+    torch.testing.assert_close(s_c, s_r, rtol=0, atol=2e-6)
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], g_c, g_r):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=3e-5, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+def test_chunked_matches_recurrent_fp64_and_gradcheck():
+    inputs = _inputs(2, 37, 3, 8, 5, dtype=torch.float64, seed=3)
+    o_r, s_r, g_r = _run_with_grads(lambda q, k, v, g, b, s0: kda_recurrent(q, k, v, g, b, s0), inputs)
+    o_c, s_c, g_c = _run_with_grads(lambda q, k, v, g, b, s0: kda_chunked(q, k, v, g, b, 16, s0), inputs)
+    assert o_c.dtype == torch.float64
+    torch.testing.assert_close(o_c, o_r, rtol=0, atol=1e-12)
+    torch.testing.assert_close(s_c, s_r, rtol=0, atol=1e-12)
+    for a, b in zip(g_c, g_r):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+    small = [x.clone().requires_grad_() for x in _inputs(1, 6, 1, 3, 2, dtype=torch.float64, seed=4)]
+    assert torch.autograd.gradcheck(lambda *xs: kda_chunked(*xs[:5], 4, xs[5]), small)
+
+
+@pytest.mark.parametrize("lb,chunk", [(-5.0, 32), (-10.0, 16)])
+def test_chunked_no_overflow_at_the_gate_bound(lb, chunk):
+    """Strongest allowed decay everywhere (and half the channels at the bound): finite and equal to the recurrence."""
+    q, k, v, g, beta, s0 = _inputs(1, 2 * chunk + 3, 2, 8, 4, seed=5, lb=lb)
+    for g_test in (torch.full_like(g, lb), torch.where(torch.rand_like(g) < 0.5, lb, -1e-3)):
+        inputs = (q, k, v, g_test, beta, s0)
+        o_r, s_r, g_r = _run_with_grads(lambda *xs: kda_recurrent(*xs[:5], xs[5]), inputs)
+        for bound in (-lb, None):  # the bound given, or read from the data
+            o_c, s_c, g_c = _run_with_grads(lambda *xs: kda_chunked(*xs[:5], chunk, xs[5], gate_bound=bound), inputs)
+            assert all(torch.isfinite(t).all() for t in (o_c, s_c, *g_c))
+            torch.testing.assert_close(o_c, o_r, rtol=0, atol=5e-6)
+            torch.testing.assert_close(s_c, s_r, rtol=0, atol=5e-6)
+            for a, b in zip(g_c, g_r):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-5)
+
+
+def test_identity_steps_in_pure_functions():
+    """Steps with g = 0, beta = 0, k = 0 leave the state alone: inserting them changes nothing at the real steps."""
+    q, k, v, g, beta, s0 = _inputs(1, 20, 2, 8, 4, seed=6)
+    real = torch.tensor([i % 3 != 1 for i in range(20)])
+    k_pad, g_pad, b_pad = k.clone(), g.clone(), beta.clone()
+    k_pad[:, ~real], g_pad[:, ~real], b_pad[:, ~real] = 0.0, 0.0, 0.0
+    o_ref, s_ref = kda_recurrent(q[:, real], k[:, real], v[:, real], g[:, real], beta[:, real], s0)
+    for fn in (kda_recurrent, lambda *xs: kda_chunked(*xs[:5], 8, xs[5])):
+        o, s = fn(q, k_pad, v, g_pad, b_pad, s0)
+        torch.testing.assert_close(o[:, real], o_ref, rtol=0, atol=2e-6)
+        torch.testing.assert_close(s, s_ref, rtol=0, atol=2e-6)
+    _, s_all_pad = kda_chunked(q, torch.zeros_like(k), v, torch.zeros_like(g), torch.zeros_like(beta), 8, s0)
+    assert torch.equal(s_all_pad, s0)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# module
+# ------------------------------------------------------------------------------------------------------------------
+def test_module_shapes_param_names_and_count():
+    cfg = GLMConfig()
+    layer = KDAttention(cfg)
+    x = torch.randn(2, 13, cfg.d_model)
+    assert layer(x).shape == x.shape
+    names = dict(layer.named_parameters())
+    assert names["A_log"].shape == (cfg.n_heads,) and names["dt_bias"].shape == (cfg.n_heads * cfg.head_dim,)
+    assert torch.all(names["A_log"] == 0)
+    # dt_bias = inverse softplus of dt in [1e-3, 1e-1]
+    dt = F.softplus(names["dt_bias"])
+    assert dt.min() >= 1e-3 * 0.999 and dt.max() <= 1e-1 * 1.001
+    d, H, D, ks = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.kda_conv_size
+    HD = H * D
+    formula = 3 * d * HD + 3 * HD * ks + (d * D + D * HD) + d * H + H + HD + (d * D + D * HD + HD) + D + HD * d
+    assert sum(p.numel() for p in layer.parameters()) == formula == 175910
+
+
+@pytest.mark.parametrize("t0", [1, 5, 8, 13, 22])
+def test_module_causality_bit_identical(t0):
+    layer = _layer()
+    x = torch.randn(2, 27, 32)
+    x2 = x.clone()
+    x2[:, t0:] += 3.0 * torch.randn_like(x2[:, t0:])
+    with torch.no_grad():
+        y, y2 = layer(x), layer(x2)
+    assert torch.equal(y[:, :t0], y2[:, :t0])
+    assert not torch.allclose(y[:, t0:], y2[:, t0:])
+
+
+def test_left_padding_equals_unpadded_rows():
+    layer = _layer(seed=1)
+    T = 21
+    lengths = [21, 14, 3, 9]
+    xs = [torch.randn(1, n, 32) for n in lengths]
+    x = torch.randn(len(lengths), T, 32) * 7.0  # garbage at the pads
+    valid = torch.zeros(len(lengths), T, dtype=torch.bool)
+    for i, (n, xi) in enumerate(zip(lengths, xs)):
+        x[i, T - n:] = xi[0]
+        valid[i, T - n:] = True
+    with torch.no_grad():
+        y = layer(x, valid=valid)
+        assert torch.isfinite(y).all()
+        for i, (n, xi) in enumerate(zip(lengths, xs)):
+            torch.testing.assert_close(y[i, T - n:], layer(xi)[0], rtol=0, atol=1e-5)
+        # and with a cache: the final state of a padded row equals that of the unpadded row
+        cache = KDACache.empty(len(lengths), layer_cfg := _cfg())
+        layer(x, valid=valid, cache=cache)
+        for i, (n, xi) in enumerate(zip(lengths, xs)):
+            c1 = KDACache.empty(1, layer_cfg)
+            layer(xi, cache=c1)
+            torch.testing.assert_close(cache.state[i], c1.state[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(cache.conv_state[i], c1.conv_state[0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 6])
+def test_pad_steps_leave_the_state_unchanged(T):
+    layer = _layer(seed=2)
+    cache = KDACache.empty(3, _cfg())
+    cache.state.normal_()
+    cache.conv_state.normal_()
+    before = cache.state.clone()
+    valid = torch.tensor([[False] * T, [True] * T, [False] * T])
+    with torch.no_grad():
+        y = layer(torch.randn(3, T, 32), valid=valid, cache=cache)
+    assert torch.isfinite(y).all()
+    assert torch.equal(cache.state[0], before[0]) and torch.equal(cache.state[2], before[2])
+    assert not torch.allclose(cache.state[1], before[1])
+
+
+@pytest.mark.parametrize("t", [1, 7, 8, 15, 19])
+def test_prefill_then_decode_equals_full_forward(t):
+    layer = _layer(seed=3)
+    T = 24
+    x = torch.randn(2, T, 32)
+    valid = torch.ones(2, T, dtype=torch.bool)
+    valid[1, :5] = False  # a left-padded row
+    with torch.no_grad():
+        full = layer(x, valid=valid)
+        cache = KDACache.empty(2, _cfg())
+        outs = [layer(x[:, :t], valid=valid[:, :t], cache=cache)]
+        for i in range(t, T):
+            outs.append(layer(x[:, i:i + 1], valid=valid[:, i:i + 1], cache=cache))
+    got = torch.cat(outs, dim=1)
+    torch.testing.assert_close(got[valid], full[valid], rtol=0, atol=1e-5)
+    assert torch.isfinite(got).all()
+
+
+def test_two_part_prefill_equals_one_prefill():
+    layer = _layer(seed=4)
+    x = torch.randn(2, 19, 32)
+    with torch.no_grad():
+        c1 = KDACache.empty(2, _cfg())
+        y1 = layer(x, cache=c1)
+        for split in (2, 11):
+            c2 = KDACache.empty(2, _cfg())
+            y2 = torch.cat([layer(x[:, :split], cache=c2), layer(x[:, split:], cache=c2)], dim=1)
+            torch.testing.assert_close(y2, y1, rtol=0, atol=1e-5)
+            torch.testing.assert_close(c2.state, c1.state, rtol=0, atol=1e-5)
+            torch.testing.assert_close(c2.conv_state, c1.conv_state, rtol=0, atol=0)
+    # the conv buffer holds the last ks-1 raw projections
+    ks = _cfg().kda_conv_size
+    raw = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)[:, -(ks - 1):]
+    torch.testing.assert_close(c1.conv_state, raw.transpose(1, 2).detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_repeat_interleave_and_index_select_cache():
+    layer = _layer(seed=5)
+    G = 3
+    prompts = torch.randn(2, 10, 32)
+    cont = torch.randn(2 * G, 4, 32)
+    with torch.no_grad():
+        cache = KDACache.empty(2, _cfg())
+        layer(prompts, cache=cache)
+        rep = cache.repeat_interleave(G)
+        assert rep.state.shape[0] == rep.conv_state.shape[0] == 2 * G
+        ys = torch.cat([layer(cont[:, i:i + 1], cache=rep) for i in range(cont.shape[1])], dim=1)
+        for r in range(2 * G):
+            c = KDACache.empty(1, _cfg())
+            layer(prompts[r // G: r // G + 1], cache=c)
+            y_r = torch.cat([layer(cont[r:r + 1, i:i + 1], cache=c) for i in range(cont.shape[1])], dim=1)
+            torch.testing.assert_close(ys[r:r + 1], y_r, rtol=0, atol=1e-5)
+            torch.testing.assert_close(rep.state[r:r + 1], c.state, rtol=0, atol=1e-5)
+        rows = torch.tensor([4, 1])
+        sel = rep.index_select(rows)
+        assert torch.equal(sel.state, rep.state[rows]) and torch.equal(sel.conv_state, rep.conv_state[rows])
+        sel.state.zero_()
+        assert rep.state[4].abs().sum() > 0  # a copy, not a view
+
+
+def test_gate_bounds_and_unit_norms():
+    cfg = _cfg(kda_gate_lower_bound=-5.0)
+    layer = _layer(seed=6)
+    x = torch.randn(2, 16, 32)
+    with torch.no_grad():
+        q, k, v, g, beta, gate, raw = layer._features(x, None, None)
+        assert ((g >= cfg.kda_gate_lower_bound) & (g <= 0)).all() and (g < -1e-6).any() and (g > -4.99).any()
+        assert ((beta > 0) & (beta < 1)).all()
+        torch.testing.assert_close(k.norm(dim=-1), torch.ones_like(k[..., 0]))
+        torch.testing.assert_close(q.norm(dim=-1), torch.full_like(q[..., 0], cfg.head_dim ** -0.5))
+        g_big, beta_big = layer.gates(1e4 * x)  # saturating inputs stay inside the closed bounds
+        assert torch.isfinite(g_big).all() and ((g_big >= cfg.kda_gate_lower_bound) & (g_big <= 0)).all()
+        assert ((beta_big >= 0) & (beta_big <= 1)).all()
+        assert g.dtype == beta.dtype == torch.float32
+
+
+def test_every_parameter_gets_a_gradient():
+    layer = _layer(seed=7)
+    x = torch.randn(2, 20, 32)
+    loss = (layer(x) * torch.randn(2, 20, 32)).sum()
+    loss.backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, f"zero gradient for {name}"
+
+
+def test_cached_forward_keeps_autograd_graph():
+    """With grad enabled, a cached prefill still backpropagates (the cache is rebound, not written in place)."""
+    layer = _layer(seed=8)
+    x = torch.randn(1, 9, 32, requires_grad=True)
+    cache = KDACache.empty(1, _cfg())
+    y = torch.cat([layer(x[:, :5], cache=cache), layer(x[:, 5:], cache=cache)], dim=1)
+    (y.sum() + cache.state.sum()).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_module_matches_formula_reference():
+    """The fused layer equals a plain transcription of the formulas (nn.Conv1d, separate projections, recurrence)."""
+    layer = _layer(seed=9)
+    cfg = _cfg()
+    H, K, ks = cfg.n_heads, cfg.head_dim, cfg.kda_conv_size
+    x = torch.randn(2, 19, 32)
+    B, T, _ = x.shape
+    with torch.no_grad():
+        raw = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1).transpose(1, 2)
+        y = F.silu(F.conv1d(F.pad(raw, (ks - 1, 0)), layer.conv.weight, groups=3 * H * K)).transpose(1, 2)
+        q, k, v = (t.reshape(B, T, H, K) for t in y.split(H * K, dim=-1))
+        q = F.normalize(q, dim=-1, eps=1e-6) * K ** -0.5
+        k = F.normalize(k, dim=-1, eps=1e-6)
+        beta = torch.sigmoid(layer.b_proj(x))
+        f = layer.f_b_proj(layer.f_a_proj(x)).reshape(B, T, H, K) + layer.dt_bias.reshape(H, K)
+        g = cfg.kda_gate_lower_bound * torch.sigmoid(layer.A_log.exp()[:, None] * f)
+        o, _ = kda_recurrent(q, k, v, g, beta)
+        gate = torch.sigmoid(layer.g_b_proj(layer.g_a_proj(x))).reshape(B, T, H, K)
+        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + cfg.norm_eps) * layer.o_norm.weight
+        ref = layer.o_proj((o * gate).reshape(B, T, H * K))
+        torch.testing.assert_close(layer(x), ref, rtol=0, atol=2e-6)

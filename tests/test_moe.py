@@ -1,0 +1,243 @@
+"""MoE: grouped dispatch vs a per-token reference, bias semantics, balancing simulation, gradients, buffers, size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glm_lightning.model.config import GLMConfig
+from glm_lightning.model.moe import MoE
+
+
+def small_cfg(**kw) -> GLMConfig:
+    base = dict(d_model=16, n_heads=2, n_kv_heads=2, n_experts=4, moe_top_k=2, expert_hidden=12, shared_expert_hidden=8,
+                routed_scaling=1.5, balance_bias_rate=1e-2, balance_loss_weight=1e-2, init_std=0.3)
+    base.update(kw)
+    return GLMConfig(**base)
+
+
+def make(seed: int = 0, **kw) -> MoE:
+    torch.manual_seed(seed)
+    return MoE(small_cfg(**kw))
+
+
+def swiglu(x, w_gate_up, w_down):
+    h = w_down.shape[1]
+    a = w_gate_up @ x
+    return w_down @ (F.silu(a[:h]) * a[h:])
+
+
+def naive_forward(m: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token-by-token reference written from the formulas (independent of the module's routing code)."""
+    B, T, d = x.shape
+    rows = []
+    for xt in x.reshape(B * T, d):
+        s = torch.sigmoid(m.router_weight @ xt)
+        idx = torch.topk(s + m.expert_bias, m.top_k).indices
+        w = s[idx]
+        if m.top_k > 1:
+            w = w / w.sum()
+        w = w * m.routed_scaling
+        y = sum(w[k] * swiglu(xt, m.w_gate_up[e], m.w_down[e]) for k, e in enumerate(idx.tolist()))
+        if m.shared_gate_up is not None:
+            y = y + swiglu(xt, m.shared_gate_up, m.shared_down)
+        rows.append(y)
+    return torch.stack(rows).view(B, T, d)
+
+
+def naive_balance_loss(m: MoE, x: torch.Tensor) -> torch.Tensor:
+    B, T, _ = x.shape
+    E, K = m.n_experts, m.top_k
+    losses = []
+    for b in range(B):
+        s = torch.sigmoid(x[b] @ m.router_weight.T)  # [T, E]
+        idx = torch.topk(s + m.expert_bias, K, dim=-1).indices
+        f = torch.tensor([float((idx == i).sum()) for i in range(E)]) * E / (K * T)
+        p = (s / s.sum(-1, keepdim=True)).mean(0)
+        losses.append((f * p).sum())
+    return m.balance_loss_weight * torch.stack(losses).mean()
+
+
+def grads(m: MoE, x: torch.Tensor, loss: torch.Tensor) -> list[torch.Tensor]:
+    params = [x] + list(m.parameters())
+    return list(torch.autograd.grad(loss, params, allow_unused=True))
+
+
+@pytest.mark.parametrize("shared", [8, 0])
+def test_dispatch_matches_per_token_reference(shared):
+    m = make(shared_expert_hidden=shared)
+    torch.manual_seed(1)
+    m.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, -5.0]))  # expert 3 never chosen: an empty expert
+    x = torch.randn(3, 7, 16, requires_grad=True)
+    proj = torch.randn(3, 7, 16)
+
+    y, aux = m(x)
+    y_ref = naive_forward(m, x)
+    aux_ref = naive_balance_loss(m, x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(aux, aux_ref, rtol=1e-5, atol=1e-8)
+
+    g = grads(m, x, (y * proj).sum() + aux)
+    g_ref = grads(m, x, (y_ref * proj).sum() + aux_ref)
+    for a, b in zip(g, g_ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # the empty expert gets an exactly zero gradient and no NaN
+    names = [n for n, _ in m.named_parameters()]
+    g_w_down = g[1 + names.index("w_down")]
+    assert torch.count_nonzero(g_w_down[3]) == 0 and torch.count_nonzero(g_w_down[:3]) > 0
+
+
+def test_bias_changes_selection_but_not_weights():
+    m = make()
+    torch.manual_seed(2)
+    x = torch.randn(1, 8, 16)
+    with torch.no_grad():
+        s, idx0, w0 = m.route(x)
+        y0, _ = m(x)
+
+        # a bias that flips the choice of token 0 to an expert it had not chosen
+        e_new = next(e for e in range(m.n_experts) if e not in idx0[0, 0].tolist())
+        m.expert_bias[e_new] = 10.0
+        s1, idx1, w1 = m.route(x)
+        assert torch.equal(s1, s)
+        assert e_new in idx1[0, 0].tolist() and not torch.equal(idx1.sort(-1).values, idx0.sort(-1).values)
+        expected = s.gather(-1, idx1)
+        expected = expected / expected.sum(-1, keepdim=True) * m.routed_scaling
+        torch.testing.assert_close(w1, expected, rtol=0, atol=0)
+        torch.testing.assert_close(m(x)[0], naive_forward(m, x), rtol=1e-5, atol=1e-6)
+
+        # a bias that leaves every selection unchanged leaves the output bit-identical
+        m.expert_bias.copy_(1e-4 * torch.tensor([1.0, -2.0, 0.5, 3.0]))
+        _, idx2, w2 = m.route(x)
+        assert torch.equal(idx2.sort(-1).values, idx0.sort(-1).values)
+        y2, _ = m(x)
+        assert torch.equal(y2, y0)
+
+
+def test_bias_update_simulation_balances_skewed_router():
+    E = 8
+    m = make(seed=3, n_experts=E, moe_top_k=2, balance_bias_rate=1e-2, balance_loss_weight=0.0)
+    m.train()
+    torch.manual_seed(4)
+    u = F.normalize(torch.randn(16), dim=0)
+    with torch.no_grad():  # tokens share a direction u that the router strongly prefers for the low-index experts
+        m.router_weight.copy_(0.3 * torch.randn(E, 16) + torch.linspace(2.0, -2.0, E)[:, None] * u)
+
+    def step() -> torch.Tensor:
+        x = torch.randn(4, 32, 16) * 0.5 + 2.0 * u  # a fresh batch per optimizer step
+        with torch.enable_grad():
+            m(x)
+        assert m.load_counts.sum() == x.shape[0] * x.shape[1] * m.top_k
+        m.update_balance_bias()
+        assert m.load_counts.sum() == 0
+        load = m.expert_load()
+        torch.testing.assert_close(load.sum(), torch.tensor(1.0))
+        return load
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # hundreds of tiny steps: extra threads only add overhead on a shared CPU
+    try:
+        first = step()
+        assert first.max() / first.mean() > 3.0  # strongly skewed to begin with
+        assert m.expert_bias[0] < 0 and m.expert_bias[-1] > 0  # overloaded down, underloaded up
+        loads = [step() for _ in range(300)]
+    finally:
+        torch.set_num_threads(threads)
+    final = torch.stack(loads[-50:]).mean(0)  # average out the per-batch sampling noise
+    assert final.max() / final.mean() < 1.15
+    assert m.expert_bias.abs().max() <= 301 * m.balance_bias_rate + 1e-6
+
+
+def test_router_gradients_from_output_and_balance_loss():
+    m = make()
+    m.train()
+    torch.manual_seed(5)
+    x = torch.randn(2, 16, 16)
+    y, aux = m(x)
+    assert m.load_counts.min() > 0  # every expert used, so every parameter is reachable
+
+    (g_out,) = torch.autograd.grad((y * torch.randn_like(y)).sum(), [m.router_weight], retain_graph=True)
+    assert g_out.abs().sum() > 0
+    g_aux = torch.autograd.grad(aux, list(m.parameters()), retain_graph=True, allow_unused=True)
+    names = [n for n, _ in m.named_parameters()]
+    assert g_aux[names.index("router_weight")].abs().sum() > 0
+    assert all(g is None or g.abs().sum() == 0 for n, g in zip(names, g_aux) if n != "router_weight")
+
+    (y.sum() + aux).backward()
+    for n, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, n
+
+
+def test_balance_loss_is_per_sequence_formula():
+    m = make(seed=7, n_experts=6)
+    torch.manual_seed(8)
+    x = torch.randn(4, 9, 16)
+    x[0] += 3.0 * m.router_weight[0].detach()  # sequences with different routing statistics
+    _, aux = m(x)
+    aux_ref = naive_balance_loss(m, x)
+    torch.testing.assert_close(aux, aux_ref, rtol=1e-5, atol=1e-8)
+    (g,) = torch.autograd.grad(aux, [m.router_weight])
+    (g_ref,) = torch.autograd.grad(aux_ref, [m.router_weight])
+    torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-9)
+
+
+def test_balance_loss_zero_weight():
+    m = make(balance_loss_weight=0.0)
+    _, aux = m(torch.randn(2, 5, 16))
+    assert aux.ndim == 0 and aux.item() == 0.0
+
+
+def test_top1_no_renormalisation_router_gets_gradient():
+    m = make(moe_top_k=1, routed_scaling=1.0, balance_loss_weight=0.0)
+    torch.manual_seed(6)
+    x = torch.randn(2, 6, 16)
+    s, idx, w = m.route(x)
+    torch.testing.assert_close(w, s.gather(-1, idx))
+    assert (w < 0.999).all()  # not renormalised to 1
+    y, _ = m(x)
+    torch.testing.assert_close(y, naive_forward(m, x), rtol=1e-5, atol=1e-6)
+    y.sum().backward()
+    assert m.router_weight.grad.abs().sum() > 0
+
+
+def test_bias_buffer_and_load_counting():
+    m = make()
+    names = {n for n, _ in m.named_parameters()}
+    assert "expert_bias" not in names and all(p is not m.expert_bias for p in m.parameters())
+    sd = m.state_dict()
+    assert "expert_bias" in sd and sd["expert_bias"].dtype == torch.float32
+    assert "load_counts" not in sd and "last_load" not in sd
+
+    m.expert_bias.fill_(0.5)
+    m2 = make(seed=9)
+    m2.load_state_dict(m.state_dict())
+    assert torch.equal(m2.expert_bias, m.expert_bias)
+
+    x = torch.randn(2, 5, 16)
+    m.eval()
+    m(x)
+    m.train()
+    with torch.no_grad():
+        m(x)
+    assert m.load_counts.sum() == 0
+    bias = m.expert_bias.clone()
+    m.update_balance_bias()  # nothing counted: no-op
+    assert torch.equal(m.expert_bias, bias) and m.expert_load().sum() == 0
+    m(x)
+    assert m.load_counts.sum() == 2 * 5 * m.top_k
+
+
+@pytest.mark.parametrize("shared", [8, 0])
+def test_parameter_count(shared):
+    cfg = small_cfg(shared_expert_hidden=shared)
+    m = MoE(cfg)
+    E, d, h, hs = cfg.n_experts, cfg.d_model, cfg.expert_hidden, cfg.shared_expert_hidden
+    assert sum(p.numel() for p in m.parameters()) == E * d + E * 3 * d * h + 3 * d * hs
+    full = GLMConfig()
+    assert sum(p.numel() for p in MoE(full).parameters()) == (
+        full.n_experts * full.d_model + full.n_experts * 3 * full.d_model * full.expert_hidden
+        + 3 * full.d_model * full.shared_expert_hidden)

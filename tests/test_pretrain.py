@@ -1,0 +1,68 @@
+"""Pre-training stage through the CLI: fast_dev_run per ordering/corpus, a real short run with TensorBoard events and
+checkpoints, and resuming continues the step count."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from glm_lightning.cli import main
+from glm_lightning.modules.base import load_model_checkpoint
+
+CONF = str(Path(__file__).parent / "conf" / "pretrain_tiny.yaml")
+
+
+@pytest.mark.parametrize("corpus, ordering", [
+    ("functions", "interleaved"), ("functions", "blocked"), ("functions", "curriculum"),
+    ("composition", "interleaved"), ("composition", "blocked"), ("composition", "curriculum"),
+])
+def test_fast_dev_run(tmp_path, corpus, ordering):
+    args = ["fit", "--config", CONF, "--trainer.fast_dev_run", "2", "--trainer.default_root_dir", str(tmp_path),
+            "--data.init_args.corpus", corpus, "--data.init_args.ordering", ordering]
+    if corpus == "composition":
+        args += ["--data.init_args.families", "null"]
+    if ordering == "curriculum":
+        args += ["--data.init_args.curriculum", '[{"fraction": 0.5, "diversity": 2}, {"fraction": 0.5}]']
+    main(args)
+
+
+def _scalars(log_dir: Path) -> dict[str, list[float]]:
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}, acc
+
+
+def test_real_run_logs_checkpoints_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    common = ["--config", CONF, "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
+              "--trainer.val_check_interval", "2", "--trainer.callbacks+=ModelCheckpoint",
+              "--trainer.callbacks.save_last=true", "--trainer.callbacks.dirpath", str(tmp_path / "ckpt")]
+    main(["fit", *common, "--trainer.max_steps", "4"])
+    run_dir = tmp_path / "logs" / "test" / "version_0"
+    scalars, acc = _scalars(run_dir)
+    for tag in ("train/loss", "val/loss", "val/bpb", "val/completion_acc", "val/dev_pass", "lr-AdamW" if False
+                else "train/tokens_per_s"):
+        assert tag in scalars, sorted(scalars)
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in scalars.values())
+    assert any(t.startswith("samples/dev") for t in acc.Tags()["tensors"])
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert last.is_file()
+    assert torch.load(last, weights_only=False)["global_step"] == 4
+    cfg, state = load_model_checkpoint(last)
+    assert cfg.d_model == 32 and "embed.weight" in state
+
+    main(["fit", *common, "--trainer.max_steps", "6", "--ckpt_path", str(last)])
+    assert torch.load(last, weights_only=False)["global_step"] == 6
+
+
+def test_print_config_shows_full_config(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", CONF, "--print_config"])
+    out = capsys.readouterr().out
+    assert "PretrainModule" in out and "dev_max_new_tokens" in out and "ordering: interleaved" in out
+
+
+def test_bad_data_config_fails_before_training(tmp_path):
+    with pytest.raises(ValueError, match="unknown ordering"):
+        main(["fit", "--config", CONF, "--trainer.fast_dev_run", "1", "--data.init_args.ordering", "sideways"])
