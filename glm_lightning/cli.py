@@ -19,7 +19,7 @@ import callbacks  # noqa: E402,F401  (registers callbacks for class_path lookup)
 import datamodules  # noqa: E402,F401
 import glm_lightning.modules  # noqa: E402,F401
 
-EXTRA_COMMANDS = ("demo",)
+EXTRA_COMMANDS = ("demo", "sweep")
 
 
 class GLMCLI(LightningCLI):
@@ -42,10 +42,15 @@ def build_cli(args: ArgsType = None, run: bool = True) -> GLMCLI:
 
 def main(args: ArgsType = None) -> None:
     argv = list(sys.argv[1:] if args is None else args)
-    if argv and argv[0] in EXTRA_COMMANDS:
+    if argv and argv[0] == "demo":
         from glm_lightning.demo import main as demo_main
 
         demo_main(argv[1:])
+        return
+    if argv and argv[0] == "sweep":
+        from glm_lightning.sweep import main as sweep_main
+
+        sweep_main(argv[1:])
         return
     build_cli(argv)
 

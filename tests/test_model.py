@@ -123,3 +123,15 @@ def test_unknown_preset_and_field():
         GLMConfig.preset("huge")
     with pytest.raises(ValueError, match="unknown GLMConfig field"):
         GLMConfig.preset("tiny", d_modle=3)
+
+
+def test_untie_head_copies_then_separates():
+    model = tiny().eval()
+    ids = torch.randint(0, 256, (1, 12))
+    before = model(ids).logits
+    model.untie_head()
+    assert torch.equal(model(ids).logits, before)
+    assert model.lm_head.weight.data_ptr() != model.embed.weight.data_ptr()
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    assert not torch.equal(model(ids).logits, before)

@@ -81,6 +81,7 @@ class GLMModel(nn.Module):
         nn.init.normal_(self.embed.weight, std=cfg.init_std)
         self.blocks = nn.ModuleList(Block(cfg, kind, i) for i, kind in enumerate(cfg.layer_kinds))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head: nn.Linear | None = None  # None = tied to the embedding (the default); see untie_head()
 
     # --- forward ------------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None,
@@ -99,7 +100,17 @@ class GLMModel(nn.Module):
         if cache is not None:
             cache.length += x.shape[1]
         h = self.final_norm(collapse_streams(streams))
-        return GLMOutput(logits=F.linear(h, self.embed.weight), aux_loss=aux)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return GLMOutput(logits=F.linear(h, head), aux_loss=aux)
+
+    def untie_head(self) -> None:
+        """Give the output head its own copy of the embedding matrix, so a stage (e.g. RL) can train the head while
+        the input embedding stays frozen. Idempotent."""
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(self.cfg.d_model, self.cfg.vocab_size, bias=False,
+                                     device=self.embed.weight.device)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(self.embed.weight)
 
     def _embed_checked(self, input_ids: torch.Tensor | None, input_embeds: torch.Tensor | None,
                        cache: ModelCache | None) -> torch.Tensor:
