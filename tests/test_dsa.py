@@ -210,7 +210,7 @@ def test_kl_helper_zero_at_target_and_value() -> None:
     assert abs(indexer_kl_loss(p1, s1, torch.ones(1, 1, 2, dtype=torch.bool)).item() - want) < 1e-6
 
 
-@pytest.mark.parametrize("T", [5, 20])  # dense bypass (T <= top_k... top_k 6) and sparse regime
+@pytest.mark.parametrize("T", [5, 20])  # dense bypass (T <= top_k = 6) and sparse regime
 def test_indexer_loss_equals_reference(T: int) -> None:
     m = make(indexer_loss_weight=0.7).train()
     x = torch.randn(2, T, 32)
@@ -332,11 +332,13 @@ def run_cached(m: SparseAttention, x: torch.Tensor, valid: torch.Tensor | None, 
     return torch.cat(outs, 1)
 
 
-@pytest.mark.parametrize("T", [6, 22])  # dense bypass throughout (T <= top_k 6) and sparse regime
+# dense bypass throughout (T <= top_k 6); sparse regime decoded by boolean-mask SDPA or by gathering the k keys
+@pytest.mark.parametrize("T,gather", [(6, False), (22, False), (22, True)])
 @pytest.mark.parametrize("splits", [[1], [3], [4, 9], [13]])
-def test_prefill_plus_decode_equals_full_forward(T: int, splits: list[int]) -> None:
+def test_prefill_plus_decode_equals_full_forward(T: int, gather: bool, splits: list[int]) -> None:
     splits = [s for s in splits if s <= T] or [T - 1]
     m = make().eval()
+    m.decode_gather_min_keys = 0 if gather else 10**9
     torch.manual_seed(8)
     x = torch.randn(2, T, 32)
     valid = torch.ones(2, T, dtype=torch.bool)
@@ -349,8 +351,10 @@ def test_prefill_plus_decode_equals_full_forward(T: int, splits: list[int]) -> N
             assert torch.allclose(got[ok], full[ok], atol=ATOL), (got[ok] - full[ok]).abs().max()
 
 
-def test_cache_with_attn_rope_and_gqa() -> None:
+@pytest.mark.parametrize("gather", [False, True])
+def test_cache_with_attn_rope_and_gqa(gather: bool) -> None:
     m = make(attn_rope=True, n_kv_heads=1).eval()
+    m.decode_gather_min_keys = 0 if gather else 10**9
     x = torch.randn(2, 18, 32)
     with torch.inference_mode():
         assert torch.allclose(run_cached(m, x, None, [5]), m(x)[0], atol=ATOL)
@@ -358,6 +362,7 @@ def test_cache_with_attn_rope_and_gqa() -> None:
 
 def test_repeat_interleave_and_index_select_equal_independent_runs() -> None:
     m = make().eval()
+    m.decode_gather_min_keys = 0
     torch.manual_seed(9)
     prompts = torch.randn(2, 5, 32)
     conts = torch.randn(6, 12, 32)
