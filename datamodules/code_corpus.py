@@ -124,6 +124,34 @@ class OrderedRows(IterableDataset):
         return len(self.rows)
 
 
+class ResumableLoader(DataLoader):
+    """A DataLoader that remembers how many batches of the current pass it served, so that a run resumed with
+    `--ckpt_path` continues the data stream where it stopped instead of replaying the start of the epoch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._served = 0
+        self._skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        it = super().__iter__()
+        self._served = 0
+        for _ in range(self._skip):
+            if next(it, None) is None:
+                break
+            self._served += 1
+        self._skip = 0
+        for batch in it:
+            self._served += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches_served": self._served}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = int(state.get("batches_served", 0))
+
+
 class RowList(Dataset):
     def __init__(self, rows: list[tuple[list[int], list[bool]]]) -> None:
         self.rows = rows
@@ -283,7 +311,7 @@ class CodeCorpusDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank()
         ds = OrderedRows(self.train_rows, rank, world)
-        return DataLoader(ds, batch_size=self.hparams.batch_size,
+        return ResumableLoader(ds, batch_size=self.hparams.batch_size,
                           collate_fn=lambda rows: collate_rows(rows, self.hparams.seq_len))
 
     def val_dataloader(self) -> DataLoader:

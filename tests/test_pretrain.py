@@ -52,8 +52,13 @@ def test_real_run_logs_checkpoints_and_resumes(tmp_path, monkeypatch):
     cfg, state = load_model_checkpoint(last)
     assert cfg.d_model == 32 and "embed.weight" in state
 
+    state = torch.load(last, weights_only=False)
+    assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"batches_served": 4}]
+
     main(["fit", *common, "--trainer.max_steps", "6", "--ckpt_path", str(last)])
-    assert torch.load(last, weights_only=False)["global_step"] == 6
+    resumed = torch.load(last, weights_only=False)
+    assert resumed["global_step"] == 6
+    assert resumed["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"batches_served": 6}]
 
 
 def test_print_config_shows_full_config(capsys):
