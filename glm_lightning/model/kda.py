@@ -8,8 +8,8 @@ GLM-5.3 "safe gate" and the settings in ``/work/shared/reference/architecture.md
       S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,      o_t = S_t^T q_t
 
   step form: ``S *= exp(g_t); e = v_t - S^T k_t; S += k_t (beta_t e)^T; o_t = S^T q_t``;
-* the chunkwise-parallel WY / UT form of the paper (section 3 / appendix) for training: inside a chunk of C tokens,
-  with ``G = cumsum(g)`` and ``Gamma = exp(G)``::
+* the chunkwise-parallel WY / UT form of the paper for training: inside a chunk of C tokens, with the in-chunk
+  ``G = cumsum(g)`` and ``Gamma = exp(G)``::
 
       M[i, j]   = sum_d k_id k_jd exp(G_id - G_jd)        (j < i)
       A         = (I + diag(beta) M)^-1 diag(beta)           (unit-lower triangular solve)
@@ -21,10 +21,14 @@ GLM-5.3 "safe gate" and the settings in ``/work/shared/reference/architecture.md
   Everything except the state hand-off is computed for all chunks at once. The hand-off is rewritten as
   ``S' = P S + R`` with ``P = Diag(Gamma_C) - ((Gamma_C/Gamma) K)^T W`` and ``R = ((Gamma_C/Gamma) K)^T U``, so the
   Python loop over chunks is one batched matmul-add per chunk; the outputs are then ``Aqk U + (Gamma Q - Aqk W) S_c``
-  for all chunks at once. The factorised ``exp(G_i - G_j) = exp(G_i - ref) exp(ref - G_j)`` uses a detached
-  mid-chunk reference (the middle of the chunk's range of G, per channel) so each factor stays below
-  ``exp(|lb| (C - 1) / 2)`` and fp32 does not overflow for ``C * |lb| / 2 < 85`` (GLMConfig validates this). The
-  masked (future) entries are removed with ``masked_fill`` (never multiplied by 0, inf * 0 = NaN).
+  for all chunks at once (``S_c`` the state entering chunk c).
+* fp32 safety of the factorised ``exp(G_i - G_j) = exp(G_i - ref) exp(ref - G_j)``: the reference is taken per row
+  block of at most 16 rows (fewer if the gate bound needs it), at the block's first row; for C = 32 that is the chunk
+  start and the chunk midpoint, as fla's 16-token sub-chunks. Each factor is then at most ``exp(|lb| (s - 1))`` with
+  s the block size (75 for lb = -5, s = 16), far from fp32's ~88. Unlike a reference computed from the whole chunk,
+  it never looks past the row it serves, so the chunked layer is causal bit for bit. Masked (future) entries are
+  removed with ``masked_fill`` on finite values (never multiplied by 0: inf * 0 = NaN would leak the future), and
+  future exponents are zeroed before the ``exp``, so no inf reaches autograd either.
 * the layer of the paper / fla ``KimiDeltaAttention``: q/k/v projections, a causal depthwise short convolution
   (kernel ``kda_conv_size``) + SiLU, L2-normalised q and k (eps 1e-6), ``q *= d_k^-0.5``, ``beta = sigmoid(W_b x)``,
   the safe gate ``g = lb * sigmoid(exp(A_log) * (W_f2 W_f1 x + dt_bias))`` (``A_log`` init 0, ``dt_bias`` the inverse
@@ -38,13 +42,20 @@ its real positions as the unpadded row. (A pad in the middle of a row is an iden
 still occupies a slot of the short conv's window, identically in the prefill and decode paths.)
 
 Decoding keeps a :class:`KDACache`: the last ``ks - 1`` raw (pre-conv) projections and the fp32 state. A prefill with
-``T > 1`` runs the chunked form from the cached state; ``T == 1`` runs a single recurrent step.
+``T > 1`` runs the chunked form from the cached state; ``T == 1`` runs a single recurrent step (written into the cache
+in place when autograd is off).
+
+CPU notes: q|k|v come from one fused matmul; the short conv is a depthwise ``conv2d`` on the channels-last view of the
+``[B, T, 3HK]`` projections (no transposes); q and k are normalised in one pass; the chunked core works on contiguous
+chunk-major ``[N, B, H, C, D]`` tensors, solves ``[U | W]`` with one triangular solve and gets ``P``, ``R``, ``Aqk U``
+and ``Aqk W`` from two matmuls.
 
 State and gate math are fp32 (fp64 inputs to the pure functions stay fp64, for gradcheck-style tests).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -66,24 +77,30 @@ _EXP_LIMIT = 80.0
 """Largest exponent the factorised exp may reach inside a row block (fp32 exp overflows above ~88.7)."""
 
 
-def _n_row_blocks(C: int, gate_bound: float) -> int:
-    """Number of row blocks of the factorised exp: the smallest divisor ns of C whose blocks of s = C / ns rows keep
-    (s - 1) * gate_bound <= _EXP_LIMIT."""
+def _n_row_blocks(C: int, gate_bound: float, max_rows: int = 16) -> int:
+    """Number of row blocks of the factorised exp: the smallest divisor ns of C whose blocks of s = C / ns rows have
+    s <= max_rows and (s - 1) * gate_bound <= _EXP_LIMIT."""
     ns = 1
-    while C % ns or (C // ns - 1) * gate_bound > _EXP_LIMIT:
+    while C % ns or C // ns > max_rows or (C // ns - 1) * gate_bound > _EXP_LIMIT:
         ns += 1
     return ns
 
 
+@functools.lru_cache(maxsize=64)
 def _tril(C: int, diagonal: int, device: torch.device) -> Tensor:
-    return torch.ones(C, C, dtype=torch.bool, device=device).tril(diagonal)
+    """[C, C] bool, True on and below the given diagonal (cached; built with arange, bool tril is slow on CPU)."""
+    with torch.inference_mode(False):  # a normal tensor even if first built while decoding (autograd may save it)
+        i = torch.arange(C, device=device)
+        return i[:, None] - i[None, :] >= -diagonal
 
 
+@functools.lru_cache(maxsize=64)
 def _future_cols(ns: int, s: int, device: torch.device) -> Tensor:
-    """[ns, C, 1] bool: column j lies after the end of row block a."""
-    j = torch.arange(ns * s, device=device)
-    a_end = (torch.arange(ns, device=device) + 1) * s
-    return (j[None, :] >= a_end[:, None]).unsqueeze(-1)
+    """[ns, C, 1] bool: column j lies after the end of row block a (cached)."""
+    with torch.inference_mode(False):
+        j = torch.arange(ns * s, device=device)
+        a_end = (torch.arange(ns, device=device) + 1) * s
+        return (j[None, :] >= a_end[:, None]).unsqueeze(-1)
 
 
 def kda_recurrent(
@@ -143,22 +160,22 @@ def kda_chunked(
         beta = F.pad(beta, (0, 0, 0, pad))
     N = (T + pad) // C
 
-    # Chunk-major layout [N, B, H, C, D]: every chunk's slice is contiguous for the hand-off loop.
+    # Chunk-major layout [N, B, H, C, D], materialised once: every later op runs on contiguous memory and every
+    # chunk's slice is contiguous for the hand-off loop.
     def chunks(x: Tensor) -> Tensor:  # [B, N*C, H, D] -> [N, B, H, C, D]
-        return x.reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4)
+        return x.reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).contiguous()
 
     q, k, v, g = chunks(q), chunks(k), chunks(v), chunks(g)
-    beta = beta.reshape(B, N, C, H).permute(1, 0, 3, 2).unsqueeze(-1)  # [N, B, H, C, 1]
+    beta = beta.reshape(B, N, C, H).permute(1, 0, 3, 2).unsqueeze(-1).contiguous()  # [N, B, H, C, 1]
 
     G = g.cumsum(-2)                                                    # inclusive, [N, B, H, C, K]
     G_last = G[..., -1:, :]                                             # [N, B, H, 1, K]
     # Factorised exp(G_i - G_j) = exp(G_i - ref_a) * exp(ref_a - G_j), one reference per row block a of s <= 16
-    # rows: ref_a = G at the block's first row (with lb = -5 and C = 32: s = 16, the second block's reference is the
-    # chunk midpoint).
-    # Then exp(G_i - ref_a) <= 1, exp(ref_a - G_j) <= 1 for j before the block and <= exp(|lb| (s - 1)) inside it,
-    # so fp32 cannot overflow for |lb| (s - 1) <= 80 (s is chosen so). The reference is causal (it never looks past row i), which keeps
-    # the layer bit-exactly causal, and detached (the result does not depend on it). Columns after the block are
-    # never needed; their exponent is zeroed with masked_fill *before* the exp (no inf, no inf * 0 in backward).
+    # rows: ref_a = G at the block's first row (lb = -5, C = 32: s = 16, the second block's reference is the chunk
+    # midpoint). Then exp(G_i - ref_a) <= 1, and exp(ref_a - G_j) is <= 1 for j before the block and
+    # <= exp(|lb| (s - 1)) <= exp(80) inside it (s is chosen so). The reference never looks past row i, which keeps the
+    # layer causal bit for bit, and it is detached (the result does not depend on it). Columns after the block are
+    # never needed: their exponent is zeroed with masked_fill *before* the exp (no inf, no inf * 0 in backward).
     if gate_bound is None:
         gate_bound = float(-g.detach().min().clamp(max=0.0))
     ns = _n_row_blocks(C, abs(gate_bound))
@@ -172,16 +189,15 @@ def kda_chunked(
     Aqk = ((q.view(N, B, H, ns, s, K) * e_row) @ k_col).view(N, B, H, C, C).masked_fill(~_tril(C, 0, q.device), 0.0)
     L = torch.eye(C, dtype=dt, device=q.device) + beta * M                          # unit lower triangular
     Gam = G.exp()
-    rhs = torch.cat([beta * v, beta * (Gam * k)], dim=-1)
-    UW = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
-    U, W = UW.split([V, K], dim=-1)                                     # A V, A (Gamma K)
-
-    k_dec = k * (G_last - G).exp()                                      # (Gamma_C / Gamma) K
-    k_dec_t = k_dec.transpose(-1, -2)
-    P = torch.diag_embed(G_last.squeeze(-2).exp()) - k_dec_t @ W        # [N, B, H, K, K]
-    R = k_dec_t @ U                                                     # [N, B, H, K, V]
-    O_intra = Aqk @ U                                                   # [N, B, H, C, V]
-    Q_eff = Gam * q - Aqk @ W                                           # [N, B, H, C, K]
+    # [U | W] = A [V | Gamma K] = L^-1 diag(beta) [V | Gamma K]: one triangular solve for both right-hand sides
+    UW = torch.linalg.solve_triangular(L, beta * torch.cat([v, Gam * k], dim=-1), upper=False, unitriangular=True)
+    k_dec_t = (k * (G_last - G).exp()).transpose(-1, -2)                # ((Gamma_C / Gamma) K)^T    [N, B, H, K, C]
+    RP = k_dec_t @ UW                                                   # [R | K_dec^T W]            [N, B, H, K, V+K]
+    R = RP[..., :V]
+    P = torch.diag_embed(G_last.squeeze(-2).exp()) - RP[..., V:]        # [N, B, H, K, K]
+    OQ = Aqk @ UW                                                       # [Aqk U | Aqk W]            [N, B, H, C, V+K]
+    O_intra = OQ[..., :V]
+    Q_eff = Gam * q - OQ[..., V:]                                       # [N, B, H, C, K]
 
     states = []
     S = S.reshape(B * H, K, V)
@@ -192,6 +208,21 @@ def kda_chunked(
     o = torch.baddbmm(O_intra.reshape(-1, C, V), Q_eff.reshape(-1, C, K), S_in.reshape(-1, K, V))
     o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
     return o, S.view(B, H, K, V)
+
+
+def _delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> Tensor:
+    """One recurrent step written into S in place (decode, no autograd). q, k, g [B, H, K]; v [B, H, V]; beta [B, H];
+    S [B, H, K, V] fp32. Returns o [B, H, V]."""
+    S.mul_(g.float().exp().unsqueeze(-1))                                     # Diag(exp g) S
+    kk = k.float().unsqueeze(-1)                                              # [B, H, K, 1]
+    e = v.float() - (kk.transpose(-1, -2) @ S).squeeze(-2)                    # v - S^T k
+    S.addcmul_(kk, (beta.float().unsqueeze(-1) * e).unsqueeze(-2))            # S += k (beta e)^T
+    return (q.float().unsqueeze(-2) @ S).squeeze(-2)                          # S^T q
+
+
+def _writable(t: Tensor) -> bool:
+    """Whether t may be updated in place here (inference tensors only inside inference mode)."""
+    return not t.is_inference() or torch.is_inference_mode_enabled()
 
 
 @dataclass
@@ -242,7 +273,8 @@ class KDAttention(nn.Module):
         self.q_proj = nn.Linear(d, HK, bias=False)
         self.k_proj = nn.Linear(d, HK, bias=False)
         self.v_proj = nn.Linear(d, HK, bias=False)
-        # One causal depthwise conv over the concatenated q|k|v channels (applied as ks shifted multiply-adds).
+        # One causal depthwise conv over the concatenated q|k|v channels (weight [3HK, 1, ks], no bias); run as a
+        # channels-last depthwise conv2d, see _short_conv.
         self.conv = nn.Conv1d(3 * HK, 3 * HK, cfg.kda_conv_size, groups=3 * HK, bias=False)
         self.b_proj = nn.Linear(d, H, bias=False)
         self.f_a_proj = nn.Linear(d, K, bias=False)      # W_f1
@@ -253,6 +285,9 @@ class KDAttention(nn.Module):
         self.g_b_proj = nn.Linear(K, HK, bias=True)      # W_g2 (with bias)
         self.o_norm = RMSNorm(K, eps=cfg.norm_eps)
         self.o_proj = nn.Linear(HK, d, bias=False)
+        # per (q heads | k heads) divisor of the fused L2 norm: sqrt(K) for q (q / |q| * K^-0.5), 1 for k
+        self.register_buffer("_qk_rescale", torch.tensor([K ** 0.5] * H + [1.0] * H).view(2 * H, 1), persistent=False)
+        self._w_in_cache: tuple | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -269,21 +304,26 @@ class KDAttention(nn.Module):
         self.o_norm.weight.fill_(1.0)
 
     # ---------------------------------------------------------------------------------------------------------------
-    def _short_conv(self, raw_t: Tensor, ctx: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Causal depthwise conv + SiLU over time, in channel-major layout.
+    def _short_conv(self, raw: Tensor, ctx: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """Causal depthwise conv + SiLU over time.
 
-        raw_t [B, Ch, T] raw projections; ctx [B, Ch, ks-1] the previous raw inputs, or None for zeros (training).
-        Returns SiLU(conv) as a contiguous [B, T, Ch] tensor and the raw inputs with their context [B, Ch, ks-1+T].
+        raw [B, T, Ch] raw projections; ctx [B, ks-1, Ch] the previous raw inputs, or None for zeros (training).
+        Returns SiLU(conv) [B, T, Ch] and, with a ctx, the raw inputs after their context [B, ks-1+T, Ch].
+        The [B, T, Ch] tensor viewed as [B, Ch, 1, T] is channels-last memory, which oneDNN's depthwise conv2d
+        consumes and produces without any transpose copies.
         """
-        T, ks, Ch = raw_t.shape[-1], self.conv_size, raw_t.shape[1]
+        T, ks, Ch = raw.shape[1], self.conv_size, raw.shape[-1]
         w = self.conv.weight                                                         # [Ch, 1, ks]
-        xp = F.pad(raw_t, (ks - 1, 0)) if ctx is None else torch.cat([ctx, raw_t], dim=-1)
-        if T == 1:  # decode: one dot product per channel
-            y = (xp * w.squeeze(1)).sum(-1, keepdim=True)
+        if ctx is None:
+            xp = None
+            y = F.conv2d(raw.transpose(1, 2).unsqueeze(2), w.unsqueeze(2), groups=Ch, padding=(0, ks - 1))
+            y = y[..., :T]                                                           # causal: left context only
         else:
-            y = F.conv1d(xp, w, groups=Ch)
-        # SiLU after the layout change, so its forward and backward run on contiguous memory
-        return F.silu(y.transpose(1, 2).contiguous()), xp
+            xp = torch.cat([ctx, raw], dim=1)
+            if T == 1:  # decode: one dot product per channel
+                return F.silu((xp * w.squeeze(1).t()).sum(1, keepdim=True)), xp
+            y = F.conv2d(xp.transpose(1, 2).unsqueeze(2), w.unsqueeze(2), groups=Ch)
+        return F.silu(y.squeeze(2).transpose(1, 2)), xp
 
     def gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(g, beta) for input x: g [B, T, H, K] in [lb, 0], beta [B, T, H] in (0, 1), fp32."""
@@ -292,9 +332,22 @@ class KDAttention(nn.Module):
 
     def _gates(self, f1: Tensor, b: Tensor, B: int, T: int) -> tuple[Tensor, Tensor]:
         H, K = self.n_heads, self.head_dim
-        f = self.f_b_proj(f1).float().view(B, T, H, K) + self.dt_bias.float().view(H, K)
+        f = F.linear(f1.float(), self.f_b_proj.weight.float(), self.dt_bias.float()).view(B, T, H, K)  # W_f2 f1 + dt_b
         g = self.lower_bound * torch.sigmoid(self.A_log.float().exp().view(H, 1) * f)
         return g, torch.sigmoid(b.float())
+
+    def _in_weights(self) -> tuple[Tensor, Tensor]:
+        """The fused input projections [W_q; W_k; W_v] and [W_f1; W_g1; W_b]. Rebuilt on every call while autograd
+        records; otherwise (decoding) cached until a parameter changes (data pointer or in-place version)."""
+        qkv = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        small = (self.f_a_proj.weight, self.g_a_proj.weight, self.b_proj.weight)
+        if torch.is_grad_enabled():
+            return torch.cat(qkv), torch.cat(small)
+        key = tuple((id(p), p.data_ptr(), p._version, p.dtype) for p in qkv + small)
+        if self._w_in_cache is None or self._w_in_cache[0] != key:
+            with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable in and out of inference mode
+                self._w_in_cache = (key, torch.cat(qkv), torch.cat(small))
+        return self._w_in_cache[1], self._w_in_cache[2]
 
     def forward(self, x: Tensor, valid: Tensor | None = None, cache: KDACache | None = None) -> Tensor:
         """x [B, T, C] -> [B, T, C]. ``valid`` [B, T] bool (False = pad); ``cache`` is updated in place."""
@@ -302,6 +355,10 @@ class KDAttention(nn.Module):
         B, T, H, K = q.shape
         if cache is None:
             o, _ = kda_chunked(q, k, v, g, beta, self.chunk_size, gate_bound=-self.lower_bound)
+        elif T == 1 and not torch.is_grad_enabled() and _writable(cache.state) and _writable(cache.conv_state):
+            # decode fast path: one step written into the cache
+            o = _delta_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state).unsqueeze(1)
+            cache.conv_state.copy_(raw[:, 1:].transpose(1, 2))
         else:
             if T == 1:
                 o, S = kda_recurrent(q, k, v, g, beta, initial_state=cache.state)
@@ -314,24 +371,25 @@ class KDAttention(nn.Module):
 
     def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None):
         """Everything before the recurrence: q, k (unit norm, q scaled), v, g, beta (fp32), the output-gate
-        pre-activation and the raw (masked) q|k|v projections after their conv context [B, 3HK, ks-1+T]."""
+        pre-activation and, with a cache, the raw (masked) q|k|v projections after their conv context
+        [B, ks-1+T, 3HK]."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         HK = H * K
-        w_qkv = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        w_small = torch.cat([self.f_a_proj.weight, self.g_a_proj.weight, self.b_proj.weight])
-        # q|k|v projections straight into the channel-major layout of the conv: [B, 3HK, T]
-        raw_t = F.linear(x, w_qkv).transpose(1, 2) if T == 1 else torch.matmul(w_qkv, x.transpose(1, 2))
+        w_qkv, w_small = self._in_weights()
+        raw = F.linear(x, w_qkv)                                                     # [B, T, 3HK] q|k|v
         f1, g1, b = F.linear(x, w_small).split([K, K, H], dim=-1)
         if valid is not None:
             valid = valid.to(device=x.device, dtype=torch.bool)
-            raw_t = raw_t.masked_fill(~valid.unsqueeze(1), 0.0)
-        ctx = None if cache is None else cache.conv_state.to(raw_t.dtype)
-        y, raw_ext = self._short_conv(raw_t, ctx)
+            raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
+        ctx = None if cache is None else cache.conv_state.transpose(1, 2).to(raw.dtype)
+        y, raw_ext = self._short_conv(raw, ctx)
         y = y.float()
-        q, k, v = (t.view(B, T, H, K) for t in y.split(HK, dim=-1))
-        q = F.normalize(q, dim=-1, eps=1e-6) * K ** -0.5
-        k = F.normalize(k, dim=-1, eps=1e-6)
+        # L2-normalise q and k together (eps 1e-6, as F.normalize) and fold q's K^-0.5 into the same division
+        qk = y[..., :2 * HK].view(B, T, 2 * H, K)
+        denom = torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(1e-6) * self._qk_rescale
+        q, k = (qk / denom).split(H, dim=2)
+        v = y[..., 2 * HK:].view(B, T, H, K)
         g, beta = self._gates(f1, b, B, T)
         if valid is not None:  # pads are identity steps of the state
             pad = ~valid
@@ -343,10 +401,12 @@ class KDAttention(nn.Module):
 
     def _update_cache(self, cache: KDACache, raw_ext: Tensor, S: Tensor) -> None:
         ks = self.conv_size
-        conv_state = raw_ext[..., raw_ext.shape[-1] - (ks - 1):]
+        conv_state = raw_ext[:, raw_ext.shape[1] - (ks - 1):].transpose(1, 2)
         state = S.float()
-        if torch.is_grad_enabled() and (state.requires_grad or conv_state.requires_grad):
-            cache.conv_state, cache.state = conv_state, state  # keep the graph: rebind instead of writing
+        if (state.requires_grad or conv_state.requires_grad or not _writable(cache.state)
+                or not _writable(cache.conv_state)):
+            # keep the autograd graph (or an inference tensor outside inference mode): rebind instead of writing
+            cache.conv_state, cache.state = conv_state.contiguous(), state
         else:
             cache.conv_state.copy_(conv_state)
             cache.state.copy_(state)
