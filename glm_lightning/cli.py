@@ -52,7 +52,7 @@ def main(args: ArgsType = None) -> None:
 
         sweep_main(argv[1:])
         return
-    build_cli(argv)
+    build_cli(args)  # None -> LightningCLI reads sys.argv itself (no "args and argv" warning)
 
 
 if __name__ == "__main__":
