@@ -1,0 +1,7 @@
+"""Lightning callbacks (importing this package registers them for `class_path: Name` in configs)."""
+
+from callbacks.freeze import FreezeCallback
+from callbacks.pass_at_k import PassAtKCallback
+from callbacks.regression import RegressionCallback
+
+__all__ = ["FreezeCallback", "PassAtKCallback", "RegressionCallback"]

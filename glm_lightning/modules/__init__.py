@@ -2,5 +2,7 @@
 
 from glm_lightning.modules.base import GLMTaskModule
 from glm_lightning.modules.pretrain import PretrainModule
+from glm_lightning.modules.rl import RLModule
+from glm_lightning.modules.vision import VisionModule
 
-__all__ = ["GLMTaskModule", "PretrainModule"]
+__all__ = ["GLMTaskModule", "PretrainModule", "RLModule", "VisionModule"]

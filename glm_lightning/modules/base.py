@@ -73,6 +73,8 @@ class GLMTaskModule(pl.LightningModule):
         if diff:
             raise ValueError(f"checkpoint {path} was trained with a different model config "
                              f"(field: checkpoint vs this run): {diff}")
+        if "lm_head.weight" in state:  # the checkpoint's stage (e.g. RL) trained an untied output head
+            self.model.untie_head()
         self.model.load_state_dict(state, strict=strict)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,0 +1,235 @@
+"""PassAtKCallback: sampled pass@k and greedy pass rate on a task split, overall and per family.
+
+At the end of every (non-sanity) validation epoch the callback generates, for each evaluation task, `n` samples at
+`temperature` plus one greedy completion, scores them in the sandboxed verifier and logs
+
+    {prefix}/pass@{k}            for every k in `ks` (unbiased estimator, glm_lightning.metrics.pass_at_k)
+    {prefix}/greedy_pass         fraction of tasks whose greedy completion passes
+    {prefix}/.../{family}        the same per family, and per role (`rewarded` / `monitor`) when the datamodule
+                                 says which families RL trains on
+
+Tasks come from the datamodule's `eval_tasks(split, per_family, families)` (RLPromptDataModule) unless `families`
+and `per_family` are given here. Under DDP every rank evaluates its share of the tasks (r, r+W, ...); the
+`PassAtK` metrics sum exactly across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from glm_lightning.evaluation import sample_completions, verify_samples
+from glm_lightning.metrics import PassAtK
+from glm_lightning.tasks.families import resolve_families
+from glm_lightning.tasks.task import SPLITS, Task, make_tasks
+
+
+@dataclass
+class TaskOutcomes:
+    """Per-task evaluation results, in task order."""
+
+    tasks: list[Task]
+    greedy: list[bool] = field(default_factory=list)
+    """Greedy completion passed (empty when greedy decoding was not run)."""
+    correct: list[int] = field(default_factory=list)
+    """Passing samples out of `n_samples` (empty when no sampling was run)."""
+    n_samples: int = 0
+    greedy_text: list[str] = field(default_factory=list)
+
+
+def evaluate_tasks(model: torch.nn.Module, tasks: Sequence[Task], verifier: Any, *, n_samples: int = 0,
+                   greedy: bool = True, temperature: float = 0.35, top_p: float | None = None,
+                   max_new_tokens: int = 48, seed: int = 0, max_rows: int = 256) -> TaskOutcomes:
+    """Greedy and/or `n_samples` sampled completions per task, verified in the sandbox (model-written code never
+    runs in this process)."""
+    tasks = list(tasks)
+    out = TaskOutcomes(tasks=tasks, n_samples=n_samples)
+    if not tasks:
+        return out
+    if greedy:
+        sampled = sample_completions(model, tasks, num_samples=1, temperature=0.0, max_new_tokens=max_new_tokens)
+        verdicts = verify_samples(verifier, sampled)
+        out.greedy = [v[0].status == "passed" for v in verdicts]
+        out.greedy_text = [s.completions[0] for s in sampled]
+    if n_samples > 0:
+        device = next(model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        sampled = sample_completions(model, tasks, num_samples=n_samples, temperature=temperature,
+                                     max_new_tokens=max_new_tokens, batch_size=max(1, max_rows // n_samples),
+                                     generator=gen, top_p=top_p)
+        verdicts = verify_samples(verifier, sampled)
+        out.correct = [sum(v.status == "passed" for v in vs) for vs in verdicts]
+    return out
+
+
+def shard(items: Sequence[Any], trainer: pl.Trainer | None) -> list[Any]:
+    """This rank's share r, r+W, ... of `items`."""
+    if trainer is None or trainer.world_size <= 1:
+        return list(items)
+    return list(items)[trainer.global_rank::trainer.world_size]
+
+
+def gather_sharded(trainer: pl.Trainer | None, local: Sequence[float], total: int) -> list[float]:
+    """Inverse of `shard` for per-item numbers: every rank gets all `total` values in the original order."""
+    if trainer is None or trainer.world_size <= 1:
+        return list(local)
+    world = trainer.world_size
+    width = math.ceil(total / world)
+    buf = torch.full((width,), float("nan"), dtype=torch.float64)
+    buf[: len(local)] = torch.tensor(list(local), dtype=torch.float64)
+    gathered = trainer.strategy.all_gather(buf.to(trainer.strategy.root_device)).cpu().view(world, width)
+    return gathered.t().reshape(-1)[:total].tolist()
+
+
+def resolve_eval_tasks(trainer: pl.Trainer, split: str | None, per_family: int | None,
+                       families: Sequence[str] | None, seed: int) -> list[Task]:
+    """Evaluation tasks: explicit (families + per_family) or from the datamodule's `eval_tasks`."""
+    dm = getattr(trainer, "datamodule", None)
+    if hasattr(dm, "eval_tasks"):
+        return dm.eval_tasks(split, per_family, families)
+    if families is None or per_family is None:
+        raise ValueError("this datamodule has no eval_tasks(); give the callback `families` and `per_family`")
+    return make_tasks(split or "dev", per_family, list(families), seed=seed)
+
+
+def family_roles(trainer: pl.Trainer) -> dict[str, str]:
+    """family -> `rewarded` / `monitor`, when the datamodule declares them."""
+    dm = getattr(trainer, "datamodule", None)
+    roles = {f: "rewarded" for f in getattr(dm, "train_families", ())}
+    roles.update({f: "monitor" for f in getattr(dm, "monitor_families", ())})
+    return roles
+
+
+def module_verifier(pl_module: pl.LightningModule, own: dict[str, Any], workers: int, timeout_s: float) -> Any:
+    """The module's verifier when it has one (RLModule, PretrainModule), else a verifier owned by the callback."""
+    shared = getattr(pl_module, "verifier", None)
+    if shared is not None and hasattr(shared, "check_many"):
+        return shared
+    if own.get("verifier") is None:
+        from glm_lightning.verifier import Verifier
+
+        own["verifier"] = Verifier(timeout_s=timeout_s, workers=workers)
+    return own["verifier"]
+
+
+def close_own_verifier(own: dict[str, Any]) -> None:
+    if own.get("verifier") is not None:
+        own["verifier"].close()
+        own["verifier"] = None
+
+
+class PassAtKCallback(Callback):
+    """Logs pass@k (n samples per task) and greedy pass on an evaluation split; see the module docstring."""
+
+    def __init__(
+        self,
+        split: str | None = None,
+        n: int = 8,
+        ks: list[int] = [1, 8],  # noqa: B006 - jsonargparse needs a literal default
+        temperature: float = 0.35,
+        top_p: float | None = None,
+        max_new_tokens: int = 48,
+        greedy: bool = True,
+        families: list[str] | None = None,
+        per_family: int | None = None,
+        seed: int = 0,
+        every_n_evals: int = 1,
+        prefix: str = "val",
+        verifier_workers: int = 2,
+        verifier_timeout_s: float = 2.0,
+    ) -> None:
+        """
+        Args:
+            split: task split (`dev`, `confirm`, ...); None = the datamodule's eval split.
+            n: samples per task (>= max(ks)); 0 = greedy only.
+            ks: the k of every logged pass@k.
+            temperature, top_p: sampling settings of the n samples.
+            max_new_tokens: completion budget.
+            greedy: also decode greedily and log `greedy_pass`.
+            families, per_family: explicit evaluation set (default: the datamodule's).
+            seed: sampling seed (the same samples are drawn at every evaluation of an unchanged model).
+            every_n_evals: evaluate on every n-th validation epoch.
+            prefix: metric name prefix.
+            verifier_workers, verifier_timeout_s: only used when the module has no verifier of its own.
+        """
+        super().__init__()
+        ks = sorted({int(k) for k in ks})
+        if not ks or ks[0] < 1:
+            raise ValueError(f"ks must be positive ints, got {ks}")
+        if n and n < ks[-1]:
+            raise ValueError(f"n = {n} samples per task cannot estimate pass@{ks[-1]}: need n >= max(ks)")
+        if n < 0 or (n == 0 and not greedy):
+            raise ValueError("n must be >= 0, and n = 0 needs greedy = true (nothing to evaluate otherwise)")
+        if split is not None and split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; valid splits: {SPLITS}")
+        if every_n_evals < 1 or max_new_tokens < 1 or temperature <= 0:
+            raise ValueError("need every_n_evals >= 1, max_new_tokens >= 1, temperature > 0")
+        self.families = list(resolve_families(families)) if families is not None else None
+        self.split, self.n, self.ks = split, n, ks
+        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.greedy, self.per_family, self.seed = greedy, per_family, seed
+        self.every_n_evals, self.prefix = every_n_evals, prefix
+        self.verifier_workers, self.verifier_timeout_s = verifier_workers, verifier_timeout_s
+        self._evals = 0
+        self._own: dict[str, Any] = {}
+        self.last_results: dict[str, float] = {}
+        self.last_outcomes: TaskOutcomes | None = None
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        self._evals += 1
+        if (self._evals - 1) % self.every_n_evals:
+            return
+        results = self.evaluate(trainer, pl_module)
+        for name, value in results.items():
+            pl_module.log(name, value, prog_bar=name in (f"{self.prefix}/pass@1", f"{self.prefix}/greedy_pass"))
+
+    def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+        """Run the evaluation now and return the (rank-synchronised) metric values."""
+        tasks = resolve_eval_tasks(trainer, self.split, self.per_family, self.families, self.seed)
+        local = shard(tasks, trainer)
+        verifier = module_verifier(pl_module, self._own, self.verifier_workers, self.verifier_timeout_s)
+        outcomes = evaluate_tasks(pl_module.model, local, verifier, n_samples=self.n, greedy=self.greedy,
+                                  temperature=self.temperature, top_p=self.top_p,
+                                  max_new_tokens=self.max_new_tokens, seed=self.seed)
+        self.last_outcomes = outcomes
+        roles = family_roles(trainer)
+        groups = sorted({t.family for t in tasks}) + sorted(set(roles.values()))
+        device = pl_module.device
+        sampled = {g: PassAtK(self.ks).to(device) for g in ["all", *groups]} if self.n else {}
+        greedy = {g: PassAtK((1,)).to(device) for g in ["all", *groups]} if self.greedy else {}
+        members: dict[str, list[int]] = defaultdict(list)
+        for i, t in enumerate(local):
+            for g in ("all", t.family, roles.get(t.family)):
+                if g is not None:
+                    members[g].append(i)
+        for g in sampled:
+            idx = members.get(g, [])
+            sampled[g].update([self.n] * len(idx), [outcomes.correct[i] for i in idx])
+        for g in greedy:
+            idx = members.get(g, [])
+            greedy[g].update([1] * len(idx), [int(outcomes.greedy[i]) for i in idx])
+        results: dict[str, float] = {}
+        for g, metric in sampled.items():  # every rank computes every group (collective sync inside compute)
+            suffix = "" if g == "all" else f"/{g}"
+            for name, value in metric.compute().items():
+                if not math.isnan(float(value)):
+                    results[f"{self.prefix}/{name}{suffix}"] = float(value)
+        for g, metric in greedy.items():
+            suffix = "" if g == "all" else f"/{g}"
+            value = float(metric.compute()["pass@1"])
+            if not math.isnan(value):
+                results[f"{self.prefix}/greedy_pass{suffix}"] = value
+        self.last_results = results
+        return results
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        close_own_verifier(self._own)

@@ -1,0 +1,329 @@
+"""RegressionCallback: per-family before/after comparison with paired tests, to catch interference during RL.
+
+- **Baseline** (`on_train_start`, i.e. the starting checkpoint after any freezing/untying): every family of the
+  evaluation set is measured: greedy pass/fail per task, plus `n_samples` sampled completions per task if asked.
+- **At every evaluation** (`on_validation_epoch_end`, not during the sanity check) the same tasks are measured again
+  and compared with the baseline, per family:
+    - greedy pass rate before and after, each with a Wilson interval;
+    - the change, with a paired percentile-bootstrap interval over tasks (and the same for the sampled pass rate);
+    - an exact McNemar test on the paired greedy outcomes (losses b = passed before & fails now, gains c);
+    - Holm adjustment of the McNemar p-values across families.
+  A family is a **significant regression** when its Holm-adjusted p <= `alpha`, it lost more tasks than it gained,
+  and the drop is at least `min_effect` (predeclare it). Flagged families are warned about in the log, logged as
+  `{prefix}/flagged` and, with `stop_on_regression: true`, stop training (`trainer.should_stop`).
+- **At the end** of training (after a final measurement when the last evaluation is stale) it writes
+  `regression_report.json` and `regression_report.md` into the logger's log_dir (or `output_dir`).
+
+Logged per family: `{prefix}/{family}/delta` (greedy), `{prefix}/{family}/p_holm`, and `{prefix}/flagged`.
+Under DDP every rank measures its share of the tasks; per-task outcomes are all-gathered, so all ranks compute
+the same report and take the same stop decision. Model-written code only runs inside the sandboxed verifier.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+from callbacks.pass_at_k import (
+    close_own_verifier,
+    evaluate_tasks,
+    family_roles,
+    gather_sharded,
+    module_verifier,
+    resolve_eval_tasks,
+    shard,
+)
+from glm_lightning.stats import format_p, holm, mcnemar_exact, paired_bootstrap_ci, wilson_interval
+from glm_lightning.tasks.families import resolve_families
+from glm_lightning.tasks.task import SPLITS
+
+Measurement = dict[str, dict[str, list[float]]]
+"""family -> {"task_ids": [...], "greedy": [0/1 per task], "sampled": [pass fraction per task] (optional)}"""
+
+
+def compare_families(baseline: Measurement, current: Measurement, *, alpha: float = 0.05, min_effect: float = 0.0,
+                     confidence: float = 0.95, n_boot: int = 10000, seed: int = 0,
+                     roles: dict[str, str] | None = None) -> dict[str, Any]:
+    """Per-family change from `baseline` to `current` (same tasks, same order) with intervals and Holm-corrected
+    exact McNemar tests; returns a JSON-ready report (see the module docstring for the decision rule)."""
+    families = [f for f in baseline if f in current]
+    rows: dict[str, dict[str, Any]] = {}
+    pvals: list[float] = []
+    for fam in families:
+        before = [int(v) for v in baseline[fam]["greedy"]]
+        after = [int(v) for v in current[fam]["greedy"]]
+        if len(before) != len(after):
+            raise ValueError(f"family {fam}: baseline has {len(before)} tasks, current {len(after)}")
+        n = len(before)
+        losses = sum(1 for a, b in zip(before, after) if a and not b)
+        gains = sum(1 for a, b in zip(before, after) if b and not a)
+        p = mcnemar_exact(losses, gains)
+        pvals.append(p)
+        row: dict[str, Any] = {
+            "role": (roles or {}).get(fam, "evaluated"),
+            "n_tasks": n,
+            "baseline_greedy": sum(before) / n if n else math.nan,
+            "baseline_greedy_ci": list(wilson_interval(sum(before), n, confidence)),
+            "current_greedy": sum(after) / n if n else math.nan,
+            "current_greedy_ci": list(wilson_interval(sum(after), n, confidence)),
+            "losses": losses,
+            "gains": gains,
+            "p_mcnemar": p,
+        }
+        row["delta"] = row["current_greedy"] - row["baseline_greedy"]
+        row["delta_ci"] = _paired_ci(before, after, confidence, n_boot, seed)
+        sb, sa = baseline[fam].get("sampled"), current[fam].get("sampled")
+        if sb and sa and len(sb) == len(sa):
+            row["baseline_sampled"] = float(np.mean(sb))
+            row["current_sampled"] = float(np.mean(sa))
+            row["delta_sampled"] = row["current_sampled"] - row["baseline_sampled"]
+            row["delta_sampled_ci"] = _paired_ci(sb, sa, confidence, n_boot, seed)
+        rows[fam] = row
+    adjusted = holm(pvals) if pvals else []
+    flagged, improved = [], []
+    for fam, p_adj in zip(families, adjusted):
+        row = rows[fam]
+        row["p_holm"] = p_adj
+        significant = p_adj <= alpha
+        row["regression"] = bool(significant and row["losses"] > row["gains"] and -row["delta"] >= min_effect)
+        row["improvement"] = bool(significant and row["gains"] > row["losses"])
+        row["verdict"] = ("REGRESSION" if row["regression"] else "improved" if row["improvement"]
+                          else "no significant change")
+        if row["regression"]:
+            flagged.append(fam)
+        if row["improvement"]:
+            improved.append(fam)
+    return {"alpha": alpha, "min_effect": min_effect, "confidence": confidence, "test": "exact McNemar on greedy "
+            "task outcomes, Holm-adjusted across families", "families": rows, "flagged": flagged,
+            "improved": improved}
+
+
+def _paired_ci(before: Sequence[float], after: Sequence[float], confidence: float, n_boot: int,
+               seed: int) -> list[float]:
+    if len(before) == 0:
+        return [math.nan, math.nan]
+    if len(before) == 1:
+        d = float(after[0]) - float(before[0])
+        return [d, d]
+    lo, hi = paired_bootstrap_ci(before, after, n_boot=n_boot, confidence=confidence, seed=seed)
+    return [lo, hi]
+
+
+def markdown_report(report: dict[str, Any], title: str = "Regression report") -> str:
+    """Human-readable table of a `compare_families` report (plus optional run metadata under report["run"])."""
+    conf = report.get("confidence", 0.95)
+    lines = [f"# {title}", ""]
+    run = report.get("run", {})
+    if run:
+        lines += [", ".join(f"{k}: {v}" for k, v in run.items()), ""]
+    lines += [
+        f"Paired test: {report['test']}; alpha = {report['alpha']}, minimum effect = {report['min_effect']}.",
+        f"Rates are greedy pass rates over the same tasks before/after, with {conf:.0%} Wilson intervals; the change "
+        f"has a {conf:.0%} paired bootstrap interval over tasks. Losses = tasks passed before and failed now.",
+        "",
+        "| family | role | tasks | before | after | change | losses / gains | p (McNemar) | p (Holm) | verdict |",
+        "|---|---|---:|---|---|---|---:|---:|---:|---|",
+    ]
+    for fam, r in report["families"].items():
+        def rate(key: str, r: dict[str, Any] = r) -> str:
+            lo, hi = r[f"{key}_ci"]
+            return f"{r[key]:.2f} [{lo:.2f}, {hi:.2f}]"
+        lo, hi = r["delta_ci"]
+        change = f"{r['delta']:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+        if "delta_sampled" in r:
+            slo, shi = r["delta_sampled_ci"]
+            change += f"; sampled {r['delta_sampled']:+.2f} [{slo:+.2f}, {shi:+.2f}]"
+        verdict = f"**{r['verdict']}**" if r["regression"] else r["verdict"]
+        lines.append(f"| {fam} | {r['role']} | {r['n_tasks']} | {rate('baseline_greedy')} | {rate('current_greedy')} "
+                     f"| {change} | {r['losses']} / {r['gains']} | {format_p(r['p_mcnemar'])} "
+                     f"| {format_p(r['p_holm'])} | {verdict} |")
+    lines.append("")
+    if report["flagged"]:
+        lines.append(f"Significant regressions: {', '.join(report['flagged'])}.")
+    else:
+        lines.append("No significant regression.")
+    if report["improved"]:
+        lines.append(f"Significant improvements: {', '.join(report['improved'])}.")
+    return "\n".join(lines) + "\n"
+
+
+class RegressionCallback(Callback):
+    """Measures every family before training and at each evaluation; flags Holm-significant regressions."""
+
+    def __init__(
+        self,
+        families: list[str] | None = None,
+        split: str | None = None,
+        per_family: int | None = None,
+        n_samples: int = 0,
+        temperature: float = 0.35,
+        max_new_tokens: int = 48,
+        alpha: float = 0.05,
+        min_effect: float = 0.0,
+        confidence: float = 0.95,
+        n_boot: int = 10000,
+        stop_on_regression: bool = False,
+        every_n_evals: int = 1,
+        evaluate_at_end: bool = True,
+        output_dir: str | None = None,
+        seed: int = 0,
+        prefix: str = "regression",
+        verifier_workers: int = 2,
+        verifier_timeout_s: float = 2.0,
+    ) -> None:
+        """
+        Args:
+            families: families to watch (default: the datamodule's rewarded + monitor families).
+            split: task split (default: the datamodule's eval split).
+            per_family: tasks per family (default: the datamodule's eval_per_family).
+            n_samples: sampled completions per task in addition to greedy (0 = greedy only).
+            temperature, max_new_tokens: decoding settings.
+            alpha: family-wise error rate (Holm). min_effect: smallest drop in greedy pass rate to call a regression.
+            confidence, n_boot: interval level and bootstrap draws.
+            stop_on_regression: stop training at the first evaluation with a significant regression.
+            every_n_evals: compare on every n-th validation epoch.
+            evaluate_at_end: measure once more at the end of training if the last comparison is stale.
+            output_dir: where to write the reports (default: the logger's log_dir, else the trainer's root dir).
+            seed: sampling/bootstrap seed.
+            prefix: metric name prefix.
+            verifier_workers, verifier_timeout_s: only used when the module has no verifier of its own.
+        """
+        super().__init__()
+        if not 0 < alpha < 1 or not 0 < confidence < 1:
+            raise ValueError("alpha and confidence must lie in (0, 1)")
+        if min_effect < 0 or n_samples < 0 or every_n_evals < 1 or n_boot < 1 or max_new_tokens < 1:
+            raise ValueError("need min_effect >= 0, n_samples >= 0, every_n_evals >= 1, n_boot >= 1, "
+                             "max_new_tokens >= 1")
+        if split is not None and split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; valid splits: {SPLITS}")
+        self.families = list(resolve_families(families)) if families is not None else None
+        self.split, self.per_family, self.n_samples = split, per_family, n_samples
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.alpha, self.min_effect, self.confidence, self.n_boot = alpha, min_effect, confidence, n_boot
+        self.stop_on_regression, self.every_n_evals = stop_on_regression, every_n_evals
+        self.evaluate_at_end, self.output_dir, self.seed, self.prefix = evaluate_at_end, output_dir, seed, prefix
+        self.verifier_workers, self.verifier_timeout_s = verifier_workers, verifier_timeout_s
+        self.baseline: Measurement | None = None
+        self.baseline_step: int | None = None
+        self.history: list[dict[str, Any]] = []
+        self.stopped_at: int | None = None
+        self._evals = 0
+        self._own: dict[str, Any] = {}
+
+    # --- measuring -------------------------------------------------------------------------------------------------
+    def measure(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Measurement:
+        """Per-family greedy (and sampled) outcomes of every evaluation task, identical on all ranks."""
+        tasks = resolve_eval_tasks(trainer, self.split, self.per_family, self.families, self.seed)
+        local = shard(tasks, trainer)
+        verifier = module_verifier(pl_module, self._own, self.verifier_workers, self.verifier_timeout_s)
+        out = evaluate_tasks(pl_module.model, local, verifier, n_samples=self.n_samples, greedy=True,
+                             temperature=self.temperature, max_new_tokens=self.max_new_tokens, seed=self.seed)
+        greedy = gather_sharded(trainer, [float(v) for v in out.greedy], len(tasks))
+        sampled = gather_sharded(trainer, [c / self.n_samples for c in out.correct], len(tasks)) \
+            if self.n_samples else []
+        result: Measurement = {}
+        for i, t in enumerate(tasks):
+            fam = result.setdefault(t.family, {"task_ids": [], "greedy": [], "sampled": []})
+            fam["task_ids"].append(t.task_id)
+            fam["greedy"].append(greedy[i])
+            if sampled:
+                fam["sampled"].append(sampled[i])
+        return result
+
+    def compare(self, trainer: pl.Trainer, current: Measurement) -> dict[str, Any]:
+        if self.baseline is None:
+            raise RuntimeError("no baseline measurement yet")
+        report = compare_families(self.baseline, current, alpha=self.alpha, min_effect=self.min_effect,
+                                  confidence=self.confidence, n_boot=self.n_boot, seed=self.seed,
+                                  roles=family_roles(trainer))
+        report["step"] = trainer.global_step
+        return report
+
+    # --- hooks -----------------------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.baseline = self.measure(trainer, pl_module)
+        self.baseline_step = trainer.global_step
+        logger = trainer.logger
+        if logger is not None and not isinstance(logger, DummyLogger) and trainer.is_global_zero:
+            logger.log_metrics({f"{self.prefix}/baseline/{fam}": float(np.mean(m["greedy"]))
+                                for fam, m in self.baseline.items()}, step=trainer.global_step)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self.baseline is None:
+            return
+        self._evals += 1
+        if (self._evals - 1) % self.every_n_evals:
+            return
+        report = self.compare(trainer, self.measure(trainer, pl_module))
+        self.history.append(report)
+        for fam, row in report["families"].items():
+            pl_module.log(f"{self.prefix}/{fam}/delta", float(row["delta"]))
+            pl_module.log(f"{self.prefix}/{fam}/p_holm", float(row["p_holm"]))
+        pl_module.log(f"{self.prefix}/flagged", float(len(report["flagged"])))
+        self._write_text(trainer, report)
+        if report["flagged"]:
+            details = "; ".join(f"{f}: {report['families'][f]['baseline_greedy']:.2f} -> "
+                                f"{report['families'][f]['current_greedy']:.2f} (Holm p="
+                                f"{format_p(report['families'][f]['p_holm'])})" for f in report["flagged"])
+            rank_zero_warn(f"significant regression at step {trainer.global_step}: {details}")
+            if self.stop_on_regression:
+                self.stopped_at = trainer.global_step
+                trainer.should_stop = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.baseline is None:
+            return
+        if self.evaluate_at_end and (not self.history or self.history[-1]["step"] != trainer.global_step):
+            self.history.append(self.compare(trainer, self.measure(trainer, pl_module)))
+        quiet = bool(getattr(trainer, "fast_dev_run", False)) and not self.output_dir  # fast_dev_run writes nothing
+        if trainer.is_global_zero and not quiet:
+            self.write_reports(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        close_own_verifier(self._own)
+
+    # --- reports ---------------------------------------------------------------------------------------------------
+    def report_dir(self, trainer: pl.Trainer) -> Path:
+        if self.output_dir:
+            return Path(self.output_dir)
+        logger = trainer.logger
+        if logger is not None and not isinstance(logger, DummyLogger) and trainer.log_dir:
+            return Path(trainer.log_dir)
+        return Path(trainer.default_root_dir)
+
+    def write_reports(self, trainer: pl.Trainer) -> Path | None:
+        """Write regression_report.json (baseline, every comparison) and regression_report.md (the last one)."""
+        if not self.history:
+            return None
+        out = self.report_dir(trainer)
+        out.mkdir(parents=True, exist_ok=True)
+        final = dict(self.history[-1])
+        final["run"] = {"baseline step": self.baseline_step, "final step": final["step"],
+                        "stopped early at": self.stopped_at, "split": self.split or "datamodule eval split",
+                        "sampled per task": self.n_samples}
+        payload = {"baseline_step": self.baseline_step, "baseline": self.baseline, "final": final,
+                   "history": self.history, "stopped_at": self.stopped_at}
+        (out / "regression_report.json").write_text(json.dumps(payload, indent=2, default=_json_default))
+        (out / "regression_report.md").write_text(markdown_report(final))
+        return out
+
+    def _write_text(self, trainer: pl.Trainer, report: dict[str, Any]) -> None:
+        logger = trainer.logger
+        writer = getattr(logger, "experiment", None) if not isinstance(logger, DummyLogger) else None
+        if writer is not None and hasattr(writer, "add_text") and trainer.is_global_zero:
+            writer.add_text(f"{self.prefix}/report", markdown_report(report), trainer.global_step)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

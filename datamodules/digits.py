@@ -1,0 +1,424 @@
+"""DigitsDataModule: handwritten / rendered digit images for the vision stage.
+
+Sources (`source`):
+- `sklearn` (default): scikit-learn's bundled `load_digits`, 1,797 real 8x8 scans (values 0..16); upscaled
+  (bilinear) to `image_size` and repeated to RGB. No download.
+- `mnist`: torchvision `MNIST` read from `data_dir/MNIST/raw/` (`download: false` by default; missing files raise
+  FileNotFoundError naming them). 28x28 images are zero-padded to 32x32 (resized for other sizes). The official test
+  set is the test split; validation is a stratified part of the official training set.
+- `synthetic`: digits rendered here from seven-segment and 5x7 bitmap-font stroke templates with random size, aspect,
+  shift, rotation, stroke width, colours and noise (`synthetic_size` images), for stress and scaling studies.
+
+Splits are deterministic given `seed` and stratified by class (every split holds every class in proportion).
+Training images pass through a torchvision v2 random affine (configurable, `augment: false` turns it off); all
+splits are normalised with the per-channel mean/std of the training split. Batches are dicts
+`{"image": float [B, C, S, S], "label": long [B]}`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
+
+SOURCES = ("sklearn", "mnist", "synthetic")
+SYNTHETIC_STYLES = ("segment", "font")
+NUM_CLASSES = 10
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+               "t10k-labels-idx1-ubyte")
+
+
+# --- validation helpers ----------------------------------------------------------------------------------------------
+def check_digits(images: torch.Tensor, labels: torch.Tensor) -> None:
+    """Raise ValueError unless images are float [N, 1|3, H, W] and labels are N integers in 0..9."""
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] not in (1, 3):
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"digit images must be a [N, 1 or 3, H, W] tensor, got {shape}")
+    if not images.is_floating_point():
+        raise ValueError(f"digit images must be floating point in [0, 1], got {images.dtype}")
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.shape[0] != images.shape[0]:
+        raise ValueError(f"labels must be a 1D tensor with one label per image ({images.shape[0]}), got "
+                         f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}")
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be integers 0..9, got dtype {labels.dtype}")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= NUM_CLASSES):
+        raise ValueError(f"labels must lie in 0..9, got range [{int(labels.min())}, {int(labels.max())}]")
+
+
+def stratified_split(labels: torch.Tensor, val_fraction: float, test_fraction: float,
+                     seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Index tensors (train, val, test), deterministic given `seed`; each class is split in the same proportions
+    (at least one example per class in every split; test_fraction may be 0 for an empty test split)."""
+    if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise ValueError(f"need 0 < val_fraction, 0 <= test_fraction and val_fraction + test_fraction < 1, got "
+                         f"{val_fraction}, {test_fraction}")
+    gen = torch.Generator().manual_seed(seed)
+    parts: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] = ([], [], [])
+    for c in labels.unique().tolist():
+        idx = (labels == c).nonzero().flatten()
+        idx = idx[torch.randperm(idx.numel(), generator=gen)]
+        n_test = max(1, round(idx.numel() * test_fraction)) if test_fraction > 0 else 0
+        n_val = max(1, round(idx.numel() * val_fraction))
+        if idx.numel() - n_test - n_val < 1:
+            raise ValueError(f"class {c} has only {idx.numel()} examples: too few for a train/val/test split")
+        parts[2].append(idx[:n_test])
+        parts[1].append(idx[n_test:n_test + n_val])
+        parts[0].append(idx[n_test + n_val:])
+    return tuple(torch.cat(p).sort().values for p in parts)  # type: ignore[return-value]
+
+
+def stratified_subsample(labels: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """Sorted indices of about `n` examples with the class proportions of `labels` (deterministic)."""
+    if n >= labels.numel():
+        return torch.arange(labels.numel())
+    frac = n / labels.numel()
+    gen = torch.Generator().manual_seed(seed + 7919)
+    keep = []
+    for c in labels.unique().tolist():
+        idx = (labels == c).nonzero().flatten()
+        keep.append(idx[torch.randperm(idx.numel(), generator=gen)[: max(1, round(idx.numel() * frac))]])
+    return torch.cat(keep).sort().values
+
+
+# --- sources ---------------------------------------------------------------------------------------------------------
+def resize_to(images: torch.Tensor, size: int, pad: bool = False) -> torch.Tensor:
+    """Square images to `size`: zero-pad symmetrically when `pad` and they are smaller, else bilinear resize."""
+    h, w = images.shape[-2:]
+    if (h, w) == (size, size):
+        return images
+    if pad and h <= size and w <= size:
+        top, left = (size - h) // 2, (size - w) // 2
+        return F.pad(images, (left, size - w - left, top, size - h - top))
+    return F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False).clamp(0, 1)
+
+
+def load_sklearn_digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """The 1,797 scikit-learn 8x8 digits as float [N, 1, 8, 8] in [0, 1] and labels [N]."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.as_tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return images, torch.as_tensor(bunch.target, dtype=torch.long)
+
+
+def load_mnist(data_dir: str | Path, download: bool = False) -> tuple[torch.Tensor, ...]:
+    """MNIST (train images, train labels, test images, test labels) as float [N, 1, 28, 28] in [0, 1]."""
+    from torchvision.datasets import MNIST
+
+    raw = Path(data_dir) / "MNIST" / "raw"
+    missing = [f for f in MNIST_FILES if not (raw / f).is_file()]
+    if missing and not download:
+        raise FileNotFoundError(
+            f"MNIST files missing under {raw}: {missing}. Expected {list(MNIST_FILES)} there (the unpacked "
+            f"idx files); put them there or set download: true (needs network).")
+    out = []
+    for train in (True, False):
+        ds = MNIST(str(data_dir), train=train, download=download)
+        out += [ds.data.float().unsqueeze(1) / 255.0, ds.targets.long()]
+    return tuple(out)
+
+
+def _segment_glyphs() -> dict[int, list[tuple[float, float, float, float]]]:
+    """Seven-segment digits as line segments (x0, y0, x1, y1) in glyph units (height 1, y down, centred)."""
+    L, R, T, M, B = -0.25, 0.25, -0.5, 0.0, 0.5
+    seg = {"a": (L, T, R, T), "b": (R, T, R, M), "c": (R, M, R, B), "d": (L, B, R, B), "e": (L, M, L, B),
+           "f": (L, T, L, M), "g": (L, M, R, M)}
+    lit = ["abcdef", "bc", "abged", "abgcd", "fgbc", "afgcd", "afgedc", "abc", "abcdefg", "abcdfg"]
+    return {d: [seg[s] for s in lit[d]] for d in range(10)}
+
+
+_FONT_5X7 = (  # rows top to bottom, '#' = lit
+    (" ### ", "#   #", "#  ##", "# # #", "##  #", "#   #", " ### "),
+    ("  #  ", " ##  ", "  #  ", "  #  ", "  #  ", "  #  ", " ### "),
+    (" ### ", "#   #", "    #", "   # ", "  #  ", " #   ", "#####"),
+    ("#####", "   # ", "  #  ", "   # ", "    #", "#   #", " ### "),
+    ("   # ", "  ## ", " # # ", "#  # ", "#####", "   # ", "   # "),
+    ("#####", "#    ", "#### ", "    #", "    #", "#   #", " ### "),
+    ("  ## ", " #   ", "#    ", "#### ", "#   #", "#   #", " ### "),
+    ("#####", "    #", "   # ", "  #  ", " #   ", " #   ", " #   "),
+    (" ### ", "#   #", "#   #", " ### ", "#   #", "#   #", " ### "),
+    (" ### ", "#   #", "#   #", " ####", "    #", "   # ", " ##  "),
+)
+
+
+def _font_glyphs() -> dict[int, list[tuple[float, float, float, float]]]:
+    """5x7 bitmap digits as strokes: every lit cell is a dot, joined to lit neighbours (diagonals only when no
+    orthogonal path links them), in glyph units (cell = 1/6, height ~1)."""
+    glyphs = {}
+    for d, rows in enumerate(_FONT_5X7):
+        lit = {(r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch == "#"}
+        xy = {(r, c): ((c - 2) / 6, (r - 3) / 6) for r, c in lit}
+        segs = [(*xy[p], *xy[p]) for p in sorted(lit)]
+        for r, c in sorted(lit):
+            for dr, dc in ((0, 1), (1, 0), (1, 1), (1, -1)):
+                q = (r + dr, c + dc)
+                if q not in lit:
+                    continue
+                if dr and dc and ((r + dr, c) in lit or (r, c + dc) in lit):
+                    continue
+                segs.append((*xy[(r, c)], *xy[q]))
+        glyphs[d] = segs
+    return glyphs
+
+
+def _glyph_templates(styles: Sequence[str], thicknesses: Sequence[float], size: int = 64,
+                     extent: float = 0.6) -> torch.Tensor:
+    """Ink masks [len(styles), 10, len(thicknesses), size, size] of every glyph, drawn as distance-to-stroke fields
+    on a canvas covering [-extent, extent]^2 glyph units (anti-aliased edges)."""
+    tables = {"segment": _segment_glyphs(), "font": _font_glyphs()}
+    lin = (torch.arange(size) + 0.5) / size * 2 * extent - extent
+    yy, xx = torch.meshgrid(lin, lin, indexing="ij")
+    p = torch.stack((xx, yy), -1).reshape(-1, 1, 2)  # [P, 1, 2]
+    thick = torch.tensor(list(thicknesses)).view(-1, 1)
+    out = torch.empty(len(styles), 10, len(thicknesses), size, size)
+    for i, style in enumerate(styles):
+        for d, segs in tables[style].items():
+            s = torch.tensor(segs)  # [W, 4]
+            a, ab = s[:, :2], s[:, 2:] - s[:, :2]
+            t = (((p - a) * ab).sum(-1) / (ab * ab).sum(-1).clamp_min(1e-9)).clamp(0, 1)
+            dist = (p - (a + t[..., None] * ab)).norm(dim=-1).amin(-1)  # [P]
+            out[i, d] = ((thick - dist) / (extent / size)).sigmoid().view(-1, size, size)
+    return out
+
+
+def render_synthetic_digits(n: int, image_size: int = 32, seed: int = 0,
+                            styles: Sequence[str] = SYNTHETIC_STYLES, noise: float = 0.05,
+                            max_rotation: float = 15.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` RGB digits [n, 3, S, S] in [0, 1] with balanced labels [n], deterministic given `seed`.
+
+    Each image draws a template (seven-segment or 5x7 font) and one of four stroke widths, a height of 45-85% of
+    the image, an aspect of 0.8-1.25, a shift of up to 15% of the image, a rotation of up to `max_rotation` degrees,
+    a light foreground and a dark background colour, and Gaussian pixel noise of std `noise`. The templates are
+    drawn once at 64x64 and warped with one `affine_grid` + `grid_sample` per batch.
+    """
+    if n < 1 or image_size < 8:
+        raise ValueError(f"need n >= 1 and image_size >= 8, got {n}, {image_size}")
+    bad = [s for s in styles if s not in SYNTHETIC_STYLES]
+    if bad or not styles:
+        raise ValueError(f"unknown synthetic style(s) {bad}; choose from {SYNTHETIC_STYLES}")
+    extent = 0.6
+    thicknesses = (0.05, 0.07, 0.09, 0.11)  # stroke half-widths in glyph units (glyph height 1)
+    templates = _glyph_templates(list(styles), thicknesses, extent=extent)
+    gen = torch.Generator().manual_seed(seed)
+    labels = (torch.arange(n) % 10)[torch.randperm(n, generator=gen)]
+
+    def uniform(lo: float, hi: float, *shape: int) -> torch.Tensor:
+        return lo + (hi - lo) * torch.rand((n, *shape), generator=gen)
+
+    style = torch.randint(len(styles), (n,), generator=gen)
+    thick = torch.randint(len(thicknesses), (n,), generator=gen)
+    height = uniform(0.45, 0.85) * 2  # in normalised image units ([-1, 1] spans the image)
+    aspect = uniform(0.8, 1.25)
+    shift = uniform(-0.3, 0.3, 2)
+    angle = uniform(-max_rotation, max_rotation) * math.pi / 180
+    fg, bg = uniform(0.55, 1.0, 3), uniform(0.0, 0.35, 3)
+    # output coords u -> template coords: diag(1/(extent*h*aspect), 1/(extent*h)) @ R(-angle) @ (u - shift)
+    cos, sin = angle.cos(), angle.sin()
+    rot = torch.stack((torch.stack((cos, sin), -1), torch.stack((-sin, cos), -1)), -2)  # [n, 2, 2]
+    scale = torch.stack((1 / (extent * height * aspect), 1 / (extent * height)), -1)  # [n, 2]
+    A = scale[:, :, None] * rot
+    theta = torch.cat((A, -(A @ shift[:, :, None])), dim=-1)  # [n, 2, 3]
+    grid = F.affine_grid(theta, [n, 1, image_size, image_size], align_corners=False)
+    ink = F.grid_sample(templates[style, labels, thick].unsqueeze(1), grid, mode="bilinear",
+                        padding_mode="zeros", align_corners=False)  # [n, 1, S, S]
+    images = bg[:, :, None, None] * (1 - ink) + fg[:, :, None, None] * ink
+    images = images + noise * torch.randn(images.shape, generator=gen)
+    return images.clamp(0, 1), labels
+
+
+# --- dataset and DataModule -----------------------------------------------------------------------------------------
+class DigitsDataset(Dataset):
+    """Images [N, 1 or 3, S, S] in [0, 1] + labels 0..9, with an optional per-sample transform. With `channels=3`
+    single-channel images are repeated to RGB per sample (keeps MNIST at one channel in memory)."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Any = None,
+                 channels: int | None = None) -> None:
+        check_digits(images, labels)
+        if channels is not None and images.shape[1] not in (1, channels):
+            raise ValueError(f"cannot turn {images.shape[1]}-channel images into {channels} channels")
+        self.images, self.labels, self.transform = images, labels.long(), transform
+        self.channels = channels or images.shape[1]
+
+    def __len__(self) -> int:
+        return self.labels.numel()
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        image = self.images[i]
+        if image.shape[0] != self.channels:
+            image = image.expand(self.channels, -1, -1)
+        if self.transform is not None:
+            image = self.transform(image)
+        return {"image": image, "label": self.labels[i]}
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    """Digit images (sklearn scans, MNIST or synthetic renders) as `{"image", "label"}` batches.
+
+    Args:
+        source: `sklearn`, `mnist` or `synthetic`.
+        data_dir: MNIST root (files under `data_dir/MNIST/raw/`).
+        download: allow torchvision to download MNIST.
+        image_size: side of the square images handed to the model.
+        channels: 3 (RGB; grayscale sources are repeated) or 1 (RGB renders are averaged).
+        val_fraction, test_fraction: stratified split fractions (for `mnist`, test is the official test set).
+        seed: split (and synthetic rendering) seed.
+        batch_size, num_workers: DataLoader settings.
+        augment: random affine on training images.
+        rotate_degrees, translate, scale: the affine's range (degrees, fraction of the size, +-scale).
+        max_samples: stratified cap on the pool that is split (quick runs); None = all.
+        max_test_samples: stratified cap on the official MNIST test set; None = all.
+        synthetic_size: number of rendered images for `synthetic`.
+        synthetic_styles: templates to render from (`segment`, `font`).
+        synthetic_noise: pixel noise std of the renders.
+    """
+
+    def __init__(
+        self,
+        source: str = "sklearn",
+        data_dir: str = "data",
+        download: bool = False,
+        image_size: int = 32,
+        channels: int = 3,
+        val_fraction: float = 0.15,
+        test_fraction: float = 0.15,
+        seed: int = 0,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        augment: bool = True,
+        rotate_degrees: float = 10.0,
+        translate: float = 0.1,
+        scale: float = 0.1,
+        max_samples: int | None = None,
+        max_test_samples: int | None = None,
+        synthetic_size: int = 5000,
+        synthetic_styles: list[str] | None = None,
+        synthetic_noise: float = 0.05,
+    ) -> None:
+        super().__init__()
+        if source not in SOURCES:
+            raise ValueError(f"unknown digits source {source!r}; choose one of {SOURCES}")
+        if image_size < 8:
+            raise ValueError(f"image_size must be >= 8, got {image_size}")
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grayscale) or 3 (RGB), got {channels}")
+        if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+            raise ValueError(f"need 0 < val_fraction, 0 <= test_fraction and val_fraction + test_fraction < 1, got "
+                             f"{val_fraction}, {test_fraction}")
+        if batch_size < 1 or num_workers < 0:
+            raise ValueError(f"need batch_size >= 1 and num_workers >= 0, got {batch_size}, {num_workers}")
+        if rotate_degrees < 0 or not 0 <= translate < 1 or not 0 <= scale < 1:
+            raise ValueError("need rotate_degrees >= 0, 0 <= translate < 1, 0 <= scale < 1")
+        if max_samples is not None and max_samples < 30:
+            raise ValueError(f"max_samples must be >= 30 (3 splits x 10 classes) or null, got {max_samples}")
+        if synthetic_size < 30:
+            raise ValueError(f"synthetic_size must be >= 30, got {synthetic_size}")
+        styles = list(synthetic_styles or SYNTHETIC_STYLES)
+        bad = [s for s in styles if s not in SYNTHETIC_STYLES]
+        if bad:
+            raise ValueError(f"unknown synthetic style(s) {bad}; choose from {SYNTHETIC_STYLES}")
+        self.save_hyperparameters()
+        self.styles = styles
+        self.num_classes = NUM_CLASSES
+        self.mean: list[float] | None = None
+        self.std: list[float] | None = None
+        self.train_set: DigitsDataset | None = None
+        self.val_set: DigitsDataset | None = None
+        self.test_set: DigitsDataset | None = None
+
+    # --- loading ---------------------------------------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        if self.hparams.source == "mnist" and self.hparams.download:
+            load_mnist(self.hparams.data_dir, download=True)
+
+    def _to_model_format(self, images: torch.Tensor, pad: bool) -> torch.Tensor:
+        hp = self.hparams
+        images = resize_to(images, hp.image_size, pad=pad)
+        if hp.channels == 1 and images.shape[1] == 3:
+            images = images.mean(1, keepdim=True)
+        return images.contiguous()  # grayscale stays 1-channel in memory; DigitsDataset repeats it to RGB
+
+    def load_splits(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """(images, labels) of train/val/test, [N, 1 or C, S, S] in [0, 1] (grayscale not yet repeated to RGB),
+        before normalisation."""
+        hp = self.hparams
+        test: tuple[torch.Tensor, torch.Tensor] | None = None
+        if hp.source == "sklearn":
+            images, labels = load_sklearn_digits()
+            images = self._to_model_format(images, pad=False)
+        elif hp.source == "mnist":
+            images, labels, test_x, test_y = load_mnist(hp.data_dir, download=False)
+            if hp.max_test_samples is not None:
+                keep = stratified_subsample(test_y, hp.max_test_samples, hp.seed)
+                test_x, test_y = test_x[keep], test_y[keep]
+            images = self._to_model_format(images, pad=True)
+            test = (self._to_model_format(test_x, pad=True), test_y)
+        else:
+            images, labels = render_synthetic_digits(hp.synthetic_size, hp.image_size, hp.seed, self.styles,
+                                                     hp.synthetic_noise)
+            images = self._to_model_format(images, pad=False)
+        check_digits(images, labels)
+        if hp.max_samples is not None:
+            keep = stratified_subsample(labels, hp.max_samples, hp.seed)
+            images, labels = images[keep], labels[keep]
+        test_fraction = 0.0 if test is not None else hp.test_fraction
+        tr, va, te = stratified_split(labels, hp.val_fraction, test_fraction, hp.seed)
+        splits = {"train": (images[tr], labels[tr]), "val": (images[va], labels[va])}
+        splits["test"] = test if test is not None else (images[te], labels[te])
+        return splits
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        hp = self.hparams
+        splits = self.load_splits()
+        train_x = splits["train"][0]
+        reps = hp.channels // train_x.shape[1]  # grayscale sources are repeated to RGB per sample
+        self.mean = train_x.mean(dim=(0, 2, 3)).tolist() * reps
+        self.std = train_x.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist() * reps
+        normalize = v2.Normalize(self.mean, self.std)
+        train_tf: list[Any] = []
+        if hp.augment and (hp.rotate_degrees or hp.translate or hp.scale):
+            train_tf.append(v2.RandomAffine(degrees=hp.rotate_degrees, translate=(hp.translate, hp.translate),
+                                            scale=(1 - hp.scale, 1 + hp.scale)))
+        self.train_transform = v2.Compose([*train_tf, normalize])
+        self.eval_transform = normalize
+        c = hp.channels
+        self.train_set = DigitsDataset(*splits["train"], transform=self.train_transform, channels=c)
+        self.val_set = DigitsDataset(*splits["val"], transform=self.eval_transform, channels=c)
+        self.test_set = DigitsDataset(*splits["test"], transform=self.eval_transform, channels=c)
+
+    def denormalize(self, images: torch.Tensor) -> torch.Tensor:
+        """Undo the normalisation (for display), clamped to [0, 1]."""
+        if self.mean is None or self.std is None:
+            return images
+        mean = torch.tensor(self.mean, device=images.device).view(-1, 1, 1)
+        std = torch.tensor(self.std, device=images.device).view(-1, 1, 1)
+        return (images * std + mean).clamp(0, 1)
+
+    # --- loaders ---------------------------------------------------------------------------------------------------
+    def _loader(self, ds: Dataset | None, shuffle: bool) -> DataLoader:
+        if ds is None:
+            raise RuntimeError("call setup() before asking for a DataLoader")
+        workers = self.hparams.num_workers
+        return DataLoader(ds, batch_size=self.hparams.batch_size, shuffle=shuffle, num_workers=workers,
+                          persistent_workers=workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The test split (predictions for `python -m glm_lightning predict`)."""
+        return self._loader(self.test_set, shuffle=False)

@@ -1,0 +1,269 @@
+"""VisionModule: digit images as tokens for the shared language model (vision fine-tuning stage).
+
+Every example is the byte sequence ::
+
+    <bos> <image_start> <image> x N <image_end> "Digit: "  ->  answer byte ("7")  ->  <eos>
+
+where the N `<image>` placeholders (16 by default) are replaced by the vision encoder's tokens
+(:mod:`glm_lightning.model.vision`) before the shared :class:`GLMModel` runs on ``input_embeds``. The loss is the
+cross-entropy of the answer byte at the last prompt position (optionally also of `<eos>` after it) plus the model's
+aux loss; the predicted class is the argmax over the ten digit bytes '0'..'9' at that position.
+
+Validation/test log `val/acc`, `test/acc` (torchmetrics multiclass accuracy) and the loss; with a TensorBoard logger
+they also add a confusion-matrix figure and a grid of images titled with predicted/true labels (never during the
+sanity check). `init_weights` loads the language-model weights of any stage's checkpoint (pre-training, vision, RL);
+from a vision checkpoint with the same vision config the encoder weights are loaded too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+
+from glm_lightning.model.vision import VisionConfig, VisionEncoder, splice_image_features
+from glm_lightning.modules.base import GLMTaskModule
+from glm_lightning.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+DIGIT_IDS = tuple(TOK.encode("0123456789"))
+NUM_CLASSES = 10
+
+
+def image_prompt_ids(num_image_tokens: int, prompt: str = "Digit: ") -> list[int]:
+    """``<bos><image_start><image>*N<image_end>`` followed by the bytes of `prompt`."""
+    return ([TOK.bos_id, TOK.image_start_id] + [TOK.image_id] * num_image_tokens + [TOK.image_end_id]
+            + TOK.encode(prompt))
+
+
+class VisionModule(GLMTaskModule):
+    """Vision fine-tuning stage. Batches: ``image`` float [B, C, S, S] (normalised), ``label`` long [B] in 0..9.
+
+    Args (besides :class:`GLMTaskModule`'s):
+        vision: :class:`VisionConfig` fields (e.g. ``{encoder: direct, patch_size: 8}``); defaults otherwise.
+        prompt: text between `<image_end>` and the answer byte.
+        eos_loss: also train `<eos>` after the answer byte.
+        aux_loss_weight: multiplier on the model's aux loss (MoE balance + DSA indexer).
+        log_images: images in the TensorBoard prediction grid (0 = no grid).
+    """
+
+    prompt_ids: torch.Tensor
+    digit_ids: torch.Tensor
+
+    def __init__(
+        self,
+        preset: str = "flash-25m",
+        model_overrides: dict[str, Any] | None = None,
+        init_weights: str | None = None,
+        lr: float = 3e-3,
+        min_lr_ratio: float = 0.1,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 50,
+        vision: dict[str, Any] | None = None,
+        prompt: str = "Digit: ",
+        eos_loss: bool = False,
+        aux_loss_weight: float = 1.0,
+        log_images: int = 16,
+    ) -> None:
+        # weights are loaded below, once the vision encoder exists (a vision checkpoint also carries its weights)
+        super().__init__(preset, model_overrides, None, lr, min_lr_ratio, weight_decay, betas, warmup_steps)
+        self.save_hyperparameters()
+        if aux_loss_weight < 0 or log_images < 0:
+            raise ValueError("aux_loss_weight and log_images must be >= 0")
+        self.vision_config = VisionConfig.from_dict(vision)
+        self.vision = VisionEncoder(self.vision_config, self.glm_config.d_model)
+        ids = image_prompt_ids(self.vision_config.num_tokens, prompt)
+        if len(ids) + 1 > self.glm_config.max_seq_len:
+            raise ValueError(f"the image prompt needs {len(ids) + 1} tokens but the model's max_seq_len is "
+                             f"{self.glm_config.max_seq_len}")
+        self.register_buffer("prompt_ids", torch.tensor(ids, dtype=torch.long), persistent=False)
+        self.register_buffer("digit_ids", torch.tensor(DIGIT_IDS, dtype=torch.long), persistent=False)
+        self.train_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
+        self.val_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
+        self.test_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.val_confmat = MulticlassConfusionMatrix(NUM_CLASSES)
+        self.test_confmat = MulticlassConfusionMatrix(NUM_CLASSES)
+        self._shown: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if init_weights:
+            self.load_model_weights(init_weights)
+
+    # --- weights from earlier stages -----------------------------------------------------------------------------
+    def load_model_weights(self, path: str | Path, strict: bool = True) -> None:
+        """Language-model weights (config must match, else ValueError); also the vision encoder's when the checkpoint
+        comes from a vision run with the same vision config."""
+        super().load_model_weights(path, strict=strict)
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        if "vision_config" not in ckpt:
+            return
+        if ckpt["vision_config"] != self.vision_config.to_dict():
+            rank_zero_warn(f"{path}: vision config differs from this run's; the vision encoder starts from scratch")
+            return
+        state = {k.removeprefix("vision."): v for k, v in ckpt.get("state_dict", {}).items()
+                 if k.startswith("vision.")}
+        self.vision.load_state_dict(state, strict=strict)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["vision_config"] = self.vision_config.to_dict()
+
+    # --- forward --------------------------------------------------------------------------------------------------
+    def input_ids(self, batch_size: int, answers: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, P] prompt ids, or [B, P+1] with the answer bytes appended (teacher forcing for the eos loss)."""
+        ids = self.prompt_ids.unsqueeze(0).expand(batch_size, -1)
+        if answers is not None:
+            ids = torch.cat((ids, answers.view(-1, 1)), dim=1)
+        return ids
+
+    def forward(self, images: torch.Tensor, input_ids: torch.Tensor | None = None) -> Any:
+        """GLMOutput of the shared model on `input_ids` (default: the prompt) with the image tokens spliced in."""
+        features = self.vision(images)
+        if input_ids is None:
+            input_ids = self.input_ids(images.shape[0])
+        embeds = self.model.embed(input_ids)
+        embeds = splice_image_features(embeds, input_ids, features, TOK.image_id)
+        return self.model(input_embeds=embeds)
+
+    def _step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        images, labels = batch["image"], batch["label"]
+        if labels.dim() != 1 or labels.shape[0] != images.shape[0]:
+            raise ValueError(f"labels must be [B] with B = {images.shape[0]}, got {tuple(labels.shape)}")
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= NUM_CLASSES):
+            raise ValueError(f"digit labels must lie in 0..9, got [{int(labels.min())}, {int(labels.max())}]")
+        answers = self.digit_ids[labels]
+        P = self.prompt_ids.numel()
+        eos = self.hparams.eos_loss and self.training
+        out = self(images, self.input_ids(images.shape[0], answers if eos else None))
+        logits = out.logits.float()
+        answer_logits = logits[:, P - 1]
+        loss = F.cross_entropy(answer_logits, answers)
+        if eos:
+            loss = loss + F.cross_entropy(logits[:, P], torch.full_like(answers, TOK.eos_id))
+        digit_logits = answer_logits[:, self.digit_ids]
+        return {"loss": loss, "aux": out.aux_loss, "preds": digit_logits.argmax(-1),
+                "probs": digit_logits.softmax(-1), "labels": labels}
+
+    # --- steps ----------------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        r = self._step(batch)
+        self.train_acc(r["preds"], r["labels"])
+        self.log("train/loss", r["loss"], prog_bar=True)
+        self.log("train/aux_loss", r["aux"])
+        self.log("train/acc", self.train_acc, on_step=True, on_epoch=False, prog_bar=True)
+        return r["loss"] + self.hparams.aux_loss_weight * r["aux"]
+
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        # once per optimizer step: aux-loss-free MoE balancing, only for layers that are being trained (a frozen
+        # language model stays exactly as loaded)
+        if self.training:
+            for moe in self.model.moe_layers():
+                if moe.router_weight.requires_grad:
+                    moe.update_balance_bias()
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], batch_idx: int, stage: str) -> dict[str, torch.Tensor]:
+        r = self._step(batch)
+        acc, loss, confmat = getattr(self, f"{stage}_acc"), getattr(self, f"{stage}_loss"), \
+            getattr(self, f"{stage}_confmat")
+        acc(r["preds"], r["labels"])
+        loss(r["loss"], r["labels"].numel())
+        confmat(r["preds"], r["labels"])
+        self.log(f"{stage}/acc", acc, prog_bar=True)
+        self.log(f"{stage}/loss", loss, prog_bar=stage == "val")
+        if batch_idx == 0 and self.hparams.log_images:
+            n = self.hparams.log_images
+            self._shown[stage] = (batch["image"][:n].detach().cpu(), r["preds"][:n].cpu(), r["labels"][:n].cpu())
+        return r
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, batch_idx, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, batch_idx, "test")
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        images = batch["image"] if isinstance(batch, dict) else batch
+        digit_logits = self(images).logits.float()[:, self.prompt_ids.numel() - 1][:, self.digit_ids]
+        return {"pred": digit_logits.argmax(-1), "probs": digit_logits.softmax(-1)}
+
+    # --- TensorBoard figures --------------------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self.val_confmat.reset()
+
+    def on_test_epoch_start(self) -> None:
+        self.test_confmat.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_figures("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_figures("test")
+
+    def _log_figures(self, stage: str) -> None:
+        confmat = getattr(self, f"{stage}_confmat")
+        shown = self._shown.pop(stage, None)
+        if self.trainer.sanity_checking or not isinstance(self.logger, TensorBoardLogger):
+            return
+        writer = self.logger.experiment
+        import matplotlib.pyplot as plt
+
+        writer.add_figure(f"{stage}/confusion_matrix", confusion_figure(confmat.compute().cpu()), self.global_step)
+        if shown is not None:
+            images, preds, labels = shown
+            dm = getattr(self.trainer, "datamodule", None)
+            if dm is not None and hasattr(dm, "denormalize"):
+                images = dm.denormalize(images)
+            writer.add_figure(f"{stage}/predictions", prediction_grid(images, preds, labels), self.global_step)
+        plt.close("all")
+
+
+def confusion_figure(confmat: torch.Tensor) -> Any:
+    """Matplotlib figure of a [10, 10] confusion matrix (rows = true digit, columns = predicted)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    ax.imshow(confmat.numpy(), cmap="Blues")
+    k = confmat.shape[0]
+    ax.set_xticks(range(k))
+    ax.set_yticks(range(k))
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    top = max(1, int(confmat.max()))
+    for i in range(k):
+        for j in range(k):
+            v = int(confmat[i, j])
+            if v:
+                ax.text(j, i, str(v), ha="center", va="center", fontsize=7,
+                        color="white" if v > top / 2 else "black")
+    fig.tight_layout()
+    return fig
+
+
+def prediction_grid(images: torch.Tensor, preds: torch.Tensor, labels: torch.Tensor) -> Any:
+    """Matplotlib grid of images titled "pred p / true t" (red when wrong). Images [N, C, H, W]; values outside
+    [0, 1] are min-max scaled per image."""
+    import matplotlib.pyplot as plt
+
+    n = images.shape[0]
+    cols = min(8, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.3 * cols, 1.5 * rows), squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        ax.axis("off")
+        if i >= n:
+            continue
+        img = images[i].float()
+        if img.min() < 0 or img.max() > 1:
+            img = (img - img.min()) / (img.max() - img.min()).clamp_min(1e-6)
+        img = img.permute(1, 2, 0).numpy()
+        ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None)
+        ok = int(preds[i]) == int(labels[i])
+        ax.set_title(f"pred {int(preds[i])} / true {int(labels[i])}", fontsize=7, color="black" if ok else "red")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,142 @@
+"""DigitsDataModule: deterministic stratified splits, the three sources (sklearn, MNIST from local idx files,
+synthetic renders), transforms/normalisation, and clear errors for bad inputs."""
+
+import struct
+
+import pytest
+import torch
+
+from datamodules.digits import (
+    MNIST_FILES,
+    DigitsDataModule,
+    DigitsDataset,
+    render_synthetic_digits,
+    stratified_split,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_stratified_split_is_deterministic_disjoint_and_proportional():
+    labels = torch.arange(500) % 10
+    labels = labels[torch.randperm(500, generator=torch.Generator().manual_seed(3))]
+    a = stratified_split(labels, 0.2, 0.1, seed=0)
+    b = stratified_split(labels, 0.2, 0.1, seed=0)
+    c = stratified_split(labels, 0.2, 0.1, seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0])
+    train, val, test = a
+    everything = torch.cat(a)
+    assert everything.numel() == 500 and everything.unique().numel() == 500  # disjoint and complete
+    for split, frac in ((train, 0.7), (val, 0.2), (test, 0.1)):
+        counts = torch.bincount(labels[split], minlength=10)
+        assert (counts == round(50 * frac)).all(), counts  # every class in the same proportion
+
+
+def test_sklearn_datamodule_splits_shapes_and_normalisation():
+    dm = DigitsDataModule(batch_size=32)
+    dm.setup("fit")
+    sizes = (len(dm.train_set), len(dm.val_set), len(dm.test_set))
+    assert sum(sizes) == 1797 and sizes[1] == sizes[2] and 250 < sizes[1] < 290
+    for ds in (dm.train_set, dm.val_set, dm.test_set):
+        counts = torch.bincount(ds.labels, minlength=10).float()
+        share = counts / counts.sum()
+        assert (share - 0.1).abs().max() < 0.02  # stratified: ~10% per class in every split
+    item = dm.val_set[0]
+    assert item["image"].shape == (3, 32, 32) and item["image"].dtype == torch.float32
+    assert item["label"].dtype == torch.long
+    val = torch.stack([dm.val_set[i]["image"] for i in range(len(dm.val_set))])
+    assert abs(float(val.mean())) < 0.15 and 0.8 < float(val.std()) < 1.2  # normalised with train statistics
+    torch.testing.assert_close(dm.val_set[5]["image"], dm.val_set[5]["image"])  # eval transform deterministic
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["image"].shape == (32, 3, 32, 32) and batch["label"].shape == (32,)
+    again = DigitsDataModule(batch_size=32)
+    again.setup("fit")
+    assert torch.equal(again.test_set.labels, dm.test_set.labels)
+    assert torch.equal(again.test_set.images, dm.test_set.images)
+    other = DigitsDataModule(batch_size=32, seed=1)
+    other.setup("fit")
+    assert not torch.equal(other.test_set.images, dm.test_set.images)
+
+
+def test_max_samples_and_grayscale():
+    dm = DigitsDataModule(max_samples=200, channels=1, augment=False, image_size=16)
+    dm.setup()
+    assert 190 <= len(dm.train_set) + len(dm.val_set) + len(dm.test_set) <= 210
+    assert dm.train_set[0]["image"].shape == (1, 16, 16)
+    assert len(dm.mean) == 1
+    assert torch.bincount(dm.test_set.labels, minlength=10).min() >= 1
+
+
+def test_synthetic_renders_are_deterministic_balanced_and_in_range():
+    x, y = render_synthetic_digits(60, image_size=32, seed=4)
+    x2, y2 = render_synthetic_digits(60, image_size=32, seed=4)
+    x3, _ = render_synthetic_digits(60, image_size=32, seed=5)
+    assert torch.equal(x, x2) and torch.equal(y, y2) and not torch.equal(x, x3)
+    assert x.shape == (60, 3, 32, 32) and float(x.min()) >= 0 and float(x.max()) <= 1
+    assert torch.bincount(y, minlength=10).tolist() == [6] * 10
+    assert x.std() > 0.1  # there is ink on a background
+    one_style, _ = render_synthetic_digits(20, image_size=24, seed=0, styles=["segment"], noise=0.0)
+    assert one_style.shape == (20, 3, 24, 24)
+    dm = DigitsDataModule(source="synthetic", synthetic_size=100, batch_size=8)
+    dm.setup()
+    assert len(dm.train_set) + len(dm.val_set) + len(dm.test_set) == 100
+    assert dm.train_set[0]["image"].shape == (3, 32, 32)
+
+
+def _write_idx(folder, name, array):
+    """Write a uint8 array in the MNIST idx format (big-endian magic, dims, raw bytes)."""
+    magic = {3: 0x0803, 1: 0x0801}[array.dim()]
+    header = struct.pack(">i", magic) + b"".join(struct.pack(">i", d) for d in array.shape)
+    (folder / name).write_bytes(header + array.to(torch.uint8).numpy().tobytes())
+
+
+def test_mnist_from_local_files_and_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):
+        DigitsDataModule(source="mnist", data_dir=str(tmp_path)).setup("fit")
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", 100), ("t10k", 30)):
+        _write_idx(raw, f"{prefix}-images-idx3-ubyte", torch.randint(0, 256, (n, 28, 28), generator=g))
+        _write_idx(raw, f"{prefix}-labels-idx1-ubyte", torch.arange(n) % 10)
+    assert sorted(p.name for p in raw.iterdir()) == sorted(MNIST_FILES)
+    dm = DigitsDataModule(source="mnist", data_dir=str(tmp_path), val_fraction=0.2)
+    dm.setup("fit")
+    assert len(dm.test_set) == 30  # the official test set
+    assert len(dm.train_set) == 80 and len(dm.val_set) == 20
+    img = dm.test_set.images[0]
+    assert img.shape == (1, 32, 32) and float(img[:, :2].abs().sum()) == 0.0  # zero-padded 28 -> 32
+    assert dm.test_set[0]["image"].shape == (3, 32, 32)
+
+
+def test_bad_inputs_raise_clear_errors():
+    for kwargs, match in (({"source": "svhn"}, "unknown digits source"), ({"channels": 2}, "channels"),
+                          ({"val_fraction": 0.6, "test_fraction": 0.5}, "val_fraction"),
+                          ({"image_size": 4}, "image_size"), ({"batch_size": 0}, "batch_size"),
+                          ({"max_samples": 10}, "max_samples"), ({"synthetic_styles": ["cursive"]}, "style")):
+        with pytest.raises(ValueError, match=match):
+            DigitsDataModule(**kwargs)
+    images = torch.rand(4, 3, 8, 8)
+    with pytest.raises(ValueError, match="0..9"):
+        DigitsDataset(images, torch.tensor([1, 2, 3, 10]))
+    with pytest.raises(ValueError, match="0..9"):
+        DigitsDataset(images, torch.tensor([1, -1, 3, 4]))
+    with pytest.raises(ValueError, match="one label per image"):
+        DigitsDataset(images, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="integers"):
+        DigitsDataset(images, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    with pytest.raises(ValueError, match=r"\[N, 1 or 3, H, W\]"):
+        DigitsDataset(torch.rand(4, 2, 8, 8), torch.tensor([1, 2, 3, 4]))
+    with pytest.raises(ValueError, match=r"\[N, 1 or 3, H, W\]"):
+        DigitsDataset(torch.rand(4, 8, 8), torch.tensor([1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="floating point"):
+        DigitsDataset(torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.tensor([1, 2, 3, 4]))
+    with pytest.raises(ValueError, match="too few"):
+        stratified_split(torch.tensor([0, 0, 1, 1, 1]), 0.3, 0.3, seed=0)

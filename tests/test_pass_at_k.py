@@ -1,0 +1,110 @@
+"""pass@k: the estimator against brute-force enumeration, the torchmetrics aggregation, and the callback's
+per-family/per-role bookkeeping on a tiny model with a stub verifier."""
+
+import itertools
+from math import comb
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from callbacks.pass_at_k import PassAtKCallback, gather_sharded, shard
+from datamodules.rl_prompts import RLPromptDataModule
+from glm_lightning.metrics import PassAtK, pass_at_k
+from glm_lightning.model import GLMConfig, GLMModel
+from glm_lightning.verifier import Verdict
+
+
+def brute_force(n: int, c: int, k: int) -> float:
+    """Fraction of all k-subsets of n samples (c of them correct) that contain at least one correct sample."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_matches_enumeration_over_subsets():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(brute_force(n, c, k), abs=1e-12), (n, c, k)
+                assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k), abs=1e-12)
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert pass_at_k(200, 1, 100) == pytest.approx(0.5)  # product form stays exact where binomials are huge
+    assert 0.0 <= pass_at_k(1000, 1, 1) <= 1.0
+
+
+def test_pass_at_k_bad_input():
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(4, 1, 8)
+    with pytest.raises(ValueError, match="0 <= c <= n"):
+        pass_at_k(4, 5, 1)
+    with pytest.raises(ValueError, match="n >= 1"):
+        pass_at_k(0, 0, 1)
+    with pytest.raises(TypeError):
+        pass_at_k(4.0, 1, 1)
+
+
+def test_metric_aggregates_in_float64_and_merges_like_ddp():
+    m = PassAtK(ks=(1, 5))
+    assert m.totals.dtype == torch.float64 and m._reductions["totals"].__name__.endswith("sum")
+    m.update([10, 10], [1, 0])
+    out = m.compute()
+    assert out["pass@1"].item() == pytest.approx(0.05) and out["pass@5"].item() == pytest.approx(0.25)
+    # two "ranks" with disjoint problems, merged by summing states == one metric over all problems
+    a, b, whole = PassAtK(ks=(1, 2)), PassAtK(ks=(1, 2)), PassAtK(ks=(1, 2))
+    a.update([4, 4], [1, 3])
+    b.update(torch.tensor([4]), torch.tensor([0]))
+    whole.update([4, 4, 4], [1, 3, 0])
+    a.merge_state(b)
+    for key, value in whole.compute().items():
+        assert a.compute()[key].item() == pytest.approx(value.item())
+    with pytest.raises(ValueError, match="n >= max"):
+        PassAtK(ks=(1, 8)).update([4], [1])
+
+
+def test_shard_and_gather_roundtrip_single_process():
+    assert shard([1, 2, 3], None) == [1, 2, 3]
+    assert gather_sharded(None, [0.5, 1.0], 2) == [0.5, 1.0]
+
+
+class StubVerifier:
+    """Deterministic fake verdicts: a completion 'passes' when its text hashes even (no code is run)."""
+
+    def check_many(self, jobs):
+        return [Verdict("passed" if sum(map(ord, src)) % 2 == 0 else "failed", 0, 1) for src, _, _ in jobs]
+
+
+@pytest.fixture
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models run far faster on one thread on a shared CPU
+    yield
+    torch.set_num_threads(old)
+
+
+def test_callback_logs_overall_family_and_role_values(one_thread):
+    torch.manual_seed(0)
+    model = GLMModel(GLMConfig.preset("tiny", max_seq_len=192))
+    dm = RLPromptDataModule(train_families=["increment"], monitor_families=["square", "reverse"],
+                            prompts_per_family=1, eval_per_family=2)
+    trainer = SimpleNamespace(datamodule=dm, world_size=1, global_rank=0, sanity_checking=False)
+    logged = {}
+    module = SimpleNamespace(model=model, verifier=StubVerifier(), device=torch.device("cpu"),
+                             log=lambda name, value, **kw: logged.__setitem__(name, value))
+    cb = PassAtKCallback(n=4, ks=[1, 2, 4], max_new_tokens=6, temperature=1.0)
+    trainer.sanity_checking = True
+    cb.on_validation_epoch_end(trainer, module)
+    assert not logged  # skipped during the sanity check
+    trainer.sanity_checking = False
+    cb.on_validation_epoch_end(trainer, module)
+    out = cb.last_outcomes
+    assert len(out.tasks) == 6 and len(out.correct) == 6 and len(out.greedy) == 6
+    for k in (1, 2, 4):
+        expect = sum(pass_at_k(4, c, k) for c in out.correct) / 6
+        assert logged[f"val/pass@{k}"] == pytest.approx(expect)
+    assert logged["val/greedy_pass"] == pytest.approx(sum(out.greedy) / 6)
+    fam = [i for i, t in enumerate(out.tasks) if t.family == "square"]
+    assert logged["val/pass@2/square"] == pytest.approx(sum(pass_at_k(4, out.correct[i], 2) for i in fam) / 2)
+    mon = [i for i, t in enumerate(out.tasks) if t.family != "increment"]
+    assert logged["val/greedy_pass/monitor"] == pytest.approx(sum(out.greedy[i] for i in mon) / 4)
+    assert "val/pass@4/rewarded" in logged and "val/pass@1/reverse" in logged
