@@ -1,0 +1,17 @@
+"""Seed sweeps of a stage config with paired statistics: `python -m glm_lightning sweep --config <study>.yaml`.
+
+- `study`: the study file format, loading and validation (`load_study`, `validate_config`, `StudyError`);
+- `runner`: one isolated subprocess per (variant, seed), resumable via DONE.json, local or Ray backend;
+- `events`: reading TensorBoard scalars back;
+- `analysis`: per-variant t-intervals, paired bootstrap + exact sign-flip tests against the control, Holm;
+- `report`: REPORT.md, charts, TensorBoard hparams;
+- `cli`: `main(argv)` / `run_sweep(argv)`.
+
+See docs/sweeps.md.
+"""
+
+from glm_lightning.sweep.cli import SweepOutcome, main, run_sweep
+from glm_lightning.sweep.study import Metric, Study, StudyError, Variant, load_study, validate_config
+
+__all__ = ["main", "run_sweep", "SweepOutcome", "load_study", "validate_config", "Study", "StudyError", "Metric",
+           "Variant"]

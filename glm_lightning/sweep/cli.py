@@ -1,0 +1,157 @@
+"""`python -m glm_lightning sweep --config configs/experiments/<study>.yaml [--workers N] [--seeds N] [--dry-run]
+[--out DIR] [--backend local|ray]`.
+
+Exit status: 0 when every run finished, 1 when some run failed (the report is still written from the others),
+2 when the study file or its config is unusable (nothing or only the first run was launched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from glm_lightning.sweep.runner import LocalBackend, RayBackend, RunResult, execute, log_dir_args, plan_runs
+from glm_lightning.sweep.study import Study, StudyError, load_study, validate_config
+
+DEFAULT_OUT = "runs/sweeps"
+
+
+def default_workers() -> int:
+    """One worker per available core."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class SweepOutcome:
+    study: Study
+    out_dir: Path
+    results: list[RunResult] = field(default_factory=list)
+    report: Path | None = None
+    charts: list[Path] = field(default_factory=list)
+
+    @property
+    def launched(self) -> int:
+        return sum(r.status == "done" for r in self.results)
+
+    @property
+    def failed(self) -> list[RunResult]:
+        return [r for r in self.results if r.status in ("failed", "cancelled")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m glm_lightning sweep",
+                                description="Run a study (variants x seeds of a stage config) and report paired "
+                                            "comparisons against the control.")
+    p.add_argument("--config", "-c", required=True, help="study YAML, e.g. configs/experiments/ordering.yaml")
+    p.add_argument("--workers", type=int, default=None, help="parallel runs (default: one per core)")
+    p.add_argument("--seeds", type=int, default=None, help="use the first N seeds (extended if the study has fewer)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output root; the study goes to OUT/<study> ({DEFAULT_OUT})")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the run commands; run nothing")
+    p.add_argument("--report-only", action="store_true", help="aggregate finished runs only; launch nothing")
+    p.add_argument("--backend", choices=("local", "ray"), default="local")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else local Ray)")
+    p.add_argument("--threads-per-run", type=int, default=1, help="OMP_NUM_THREADS of every run (default 1)")
+    p.add_argument("--run-timeout", type=float, default=None, help="kill a run after this many seconds")
+    p.add_argument("--n-boot", type=int, default=10000, help="bootstrap resamples (default 10000)")
+    return p
+
+
+def reproduce_command(args: argparse.Namespace, study: Study, workers: int) -> str:
+    parts = ["python -m glm_lightning sweep", "--config", shlex.quote(str(args.config)), "--seeds",
+             str(len(study.seeds)), "--workers", str(workers), "--out", shlex.quote(str(args.out))]
+    if args.backend != "local":
+        parts += ["--backend", args.backend]
+    if args.threads_per_run != 1:
+        parts += ["--threads-per-run", str(args.threads_per_run)]
+    return " ".join(parts)
+
+
+def run_sweep(argv: list[str], log=print) -> SweepOutcome:  # noqa: ANN001
+    """Everything `main` does, returning the outcome instead of exiting (raises StudyError on unusable input)."""
+    args = build_parser().parse_args(argv)
+    workers = args.workers or default_workers()
+    if workers < 1:
+        raise StudyError(f"--workers must be >= 1, got {workers}")
+    study = load_study(args.config, seeds=args.seeds)
+    out_dir = (Path(args.out) / study.name).resolve()
+    specs = plan_runs(study, Path(args.out))
+    validate_config(study, log_dir_args(specs[0].run_dir))
+    outcome = SweepOutcome(study, out_dir)
+
+    if args.dry_run:
+        from glm_lightning.sweep.runner import read_done
+
+        log(f"[sweep] {study.name}: {len(specs)} runs ({len(study.variants)} variants x {len(study.seeds)} seeds), "
+            f"config OK; output {out_dir}")
+        for spec in specs:
+            state = "done" if read_done(spec) else "todo"
+            log(f"[{state}] {spec.key}: OMP_NUM_THREADS={args.threads_per_run} "
+                + " ".join(shlex.quote(a) for a in spec.command()))
+        return outcome
+
+    t0 = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        from glm_lightning.sweep.runner import read_done
+
+        results = []
+        for spec in specs:
+            done = read_done(spec)
+            results.append(RunResult(spec, "skipped", done["final"], done.get("steps", {}),
+                                     float(done.get("wall_s", 0))) if done else RunResult(spec, "cancelled"))
+    else:
+        if args.backend == "ray":
+            backend = RayBackend(workers, args.threads_per_run, args.run_timeout, args.ray_address)
+        else:
+            backend = LocalBackend(workers, args.threads_per_run, args.run_timeout)
+        results = execute(study, specs, backend, log=log)
+    outcome.results = results
+    elapsed = time.perf_counter() - t0
+    write_outputs(outcome, reproduce_command(args, study, workers), args.n_boot,
+                  elapsed_s=None if args.report_only else elapsed, workers=workers)
+    log(f"[sweep] report: {outcome.report}")
+    return outcome
+
+
+def write_outputs(outcome: SweepOutcome, reproduce: str, n_boot: int = 10000, elapsed_s: float | None = None,
+                  workers: int | None = None) -> None:
+    from glm_lightning.sweep.analysis import analyse, load_curves
+    from glm_lightning.sweep.report import TRAIN_CURVE_TAG, plot_curves, plot_paired, write_hparams, write_report
+
+    study, out_dir, results = outcome.study, outcome.out_dir, outcome.results
+    analyses = analyse(study, results, n_boot=n_boot)
+    charts: list[Path] = []
+    if any(r.ok for r in results):
+        tags = [m.tag for m in study.metrics]
+        curves = load_curves(study, results, tags + [TRAIN_CURVE_TAG])
+        if any(curves[v.name][TRAIN_CURVE_TAG] for v in study.variants) and TRAIN_CURVE_TAG not in tags:
+            tags.append(TRAIN_CURVE_TAG)
+        charts.append(plot_curves(study, curves, tags, out_dir / f"{study.name}-curves.png"))
+        charts.append(plot_paired(study, analyses[0], out_dir / f"{study.name}-paired.png"))
+        write_hparams(study, results, out_dir)
+    outcome.charts = charts
+    outcome.report = write_report(study, analyses, results, charts, out_dir, reproduce, n_boot, elapsed_s, workers)
+    for a in analyses[:1]:
+        for c in a.comparisons:
+            print(f"[sweep] {a.metric.tag}: {c.verdict}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        outcome = run_sweep(argv)
+    except StudyError as err:
+        print(f"sweep: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if outcome.failed:
+        print(f"sweep: {len(outcome.failed)} of {len(outcome.results)} runs failed or did not run: "
+              + ", ".join(r.spec.key for r in outcome.failed) + f" (details in {outcome.report})", file=sys.stderr)
+        raise SystemExit(1)

@@ -1,0 +1,282 @@
+"""Study outputs: REPORT.md, PNG charts (learning curves with CI bands, paired-seed dot plots) and a TensorBoard
+hparams view (one entry per run with its final metrics)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from glm_lightning.stats import EXACT_SIGN_FLIP_MAX_N, format_p, min_attainable_p
+from glm_lightning.sweep.analysis import Curves, MetricAnalysis, curve_band
+from glm_lightning.sweep.runner import RunResult
+from glm_lightning.sweep.study import REPO_ROOT, Metric, Study, overrides_to_args
+
+TRAIN_CURVE_TAG = "train/loss"
+
+
+def _fmt(x: float, metric: Metric, sign: bool = False) -> str:
+    if x is None or math.isnan(x):
+        return "n/a"
+    digits = 1 if metric.scale >= 10 else 3
+    v = x * metric.scale
+    return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
+
+
+def _ci(lo: float, hi: float, metric: Metric) -> str:
+    if math.isnan(lo) or math.isnan(hi):
+        return "n/a"
+    return f"[{_fmt(lo, metric)}, {_fmt(hi, metric)}]"
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (rev or "unknown") + (" (with uncommitted changes)" if dirty else "")
+
+
+# --- charts ----------------------------------------------------------------------------------------------------------
+def _figure(n_panels: int, width: float = 5.0, height: float = 3.6) -> Any:
+    from matplotlib.figure import Figure
+
+    cols = min(3, n_panels)
+    rows = math.ceil(n_panels / cols)
+    fig = Figure(figsize=(width * cols, height * rows), layout="constrained")
+    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(n_panels)]
+    return fig, axes
+
+
+def plot_curves(study: Study, curves: Curves, tags: Sequence[str], path: Path, confidence: float = 0.95) -> Path:
+    """One panel per tag: mean across seeds per variant with a t-interval band."""
+    fig, axes = _figure(len(tags))
+    metric_of = {m.tag: m for m in study.metrics}
+    for ax, tag in zip(axes, tags):
+        scale = metric_of[tag].scale if tag in metric_of else 1.0
+        for i, variant in enumerate(study.variants):
+            steps, mean, lo, hi = curve_band(curves[variant.name].get(tag, {}), confidence)
+            if not steps:
+                continue
+            n = len(curves[variant.name][tag])
+            colour = f"C{i}"
+            label = f"{variant.name} (n={n})" + (" [control]" if variant.name == study.control else "")
+            ax.plot(steps, [m * scale for m in mean], color=colour, marker="o" if len(steps) < 12 else None,
+                    markersize=3, label=label)
+            ax.fill_between(steps, [v * scale for v in lo], [v * scale for v in hi], color=colour, alpha=0.2,
+                            linewidth=0)
+        ax.set_title(tag + (f" (x{scale:g})" if scale != 1 else ""))
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{study.name}: mean across seeds, {confidence:.0%} t-interval band")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_paired(study: Study, analysis: MetricAnalysis, path: Path) -> Path:
+    """One panel per comparison: each seed's control and variant values joined by a line (green = variant better)."""
+    comps = analysis.comparisons or []
+    fig, axes = _figure(max(1, len(comps)), width=4.2, height=4.0)
+    metric = analysis.metric
+    ctrl = analysis.summaries[study.control].values
+    for ax, comp in zip(axes, comps):
+        var = analysis.summaries[comp.variant].values
+        for seed in comp.seeds:
+            a, b = ctrl[seed] * metric.scale, var[seed] * metric.scale
+            better = (b > a) == metric.higher_is_better and a != b
+            ax.plot([0, 1], [a, b], color="tab:green" if better else "tab:red", alpha=0.6, marker="o", markersize=4)
+        if comp.seeds:
+            ax.plot([0, 1], [sum(ctrl[s] for s in comp.seeds) / comp.n * metric.scale,
+                             sum(var[s] for s in comp.seeds) / comp.n * metric.scale],
+                    color="black", linewidth=2.5, marker="D", label="mean")
+        ax.set_xticks([0, 1], [f"{study.control}\n(control)", comp.variant])
+        ax.set_xlim(-0.3, 1.3)
+        ax.set_title(f"{comp.variant} - {study.control}: {_fmt(comp.mean_diff, metric, sign=True)}"
+                     f" {metric.unit}\n{comp.wins}/{comp.n} seeds better, p={format_p(comp.p)}", fontsize=9)
+        ax.set_ylabel(metric.tag + (f" (x{metric.scale:g})" if metric.scale != 1 else ""))
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{study.name}: paired seeds, {metric.tag}")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# --- TensorBoard hparams ---------------------------------------------------------------------------------------------
+def _hparam_value(value: Any) -> Any:
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    return "null" if value is None else str(value)
+
+
+def write_hparams(study: Study, results: Sequence[RunResult], out_dir: Path) -> Path:
+    """`<out>/hparams/<variant>/seed<k>`: one hparams entry per finished run (variant, seed, its overrides) with the
+    final value of every study metric; open with `tensorboard --logdir <out>/hparams` -> HPARAMS tab."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    hp_dir = out_dir / "hparams"
+    if hp_dir.exists():
+        shutil.rmtree(hp_dir)
+    keys = sorted({k for v in study.variants for k in v.overrides})
+    writer = SummaryWriter(log_dir=str(hp_dir))
+    try:
+        for res in results:
+            if not res.ok:
+                continue
+            variant = study.variant(res.spec.variant)
+            hp = {"variant": variant.name, "seed": res.spec.seed}
+            hp.update({k: _hparam_value(variant.overrides.get(k, "(base)")) for k in keys})
+            metrics = {f"final/{m.tag}": res.final[m.tag] for m in study.metrics if m.tag in res.final}
+            writer.add_hparams(hp, metrics, hparam_domain_discrete={"variant": [v.name for v in study.variants]},
+                               run_name=f"{variant.name}/seed{res.spec.seed}")
+    finally:
+        writer.close()
+    return hp_dir
+
+
+# --- REPORT.md -------------------------------------------------------------------------------------------------------
+def _metric_section(study: Study, a: MetricAnalysis, primary: bool) -> list[str]:
+    m = a.metric
+    shown = f"; shown as {m.unit or 'value'} = value x {m.scale:g}" if m.scale != 1 else ""
+    lines = [f"## {'Primary' if primary else 'Secondary'} metric: `{m.tag}` "
+             f"({'higher' if m.higher_is_better else 'lower'} is better{shown})", ""]
+    lines += ["| variant | n | mean | 95% CI | diff vs control | 95% CI (paired bootstrap) | p (sign-flip) | Holm p "
+              "| seeds better | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    comp_of = {c.variant: c for c in a.comparisons}
+    for variant in study.variants:
+        s = a.summaries[variant.name]
+        row = [f"**{variant.name}** (control)" if variant.name == study.control else variant.name, str(s.n),
+               _fmt(s.mean, m), _ci(s.lo, s.hi, m)]
+        c = comp_of.get(variant.name)
+        if c is None:
+            row += ["—"] * 6
+        else:
+            row += [_fmt(c.mean_diff, m, sign=True), _ci(c.lo, c.hi, m), format_p(c.p), format_p(c.p_holm),
+                    f"{c.wins}/{c.n}", c.verdict]
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    return lines
+
+
+def _per_seed_table(study: Study, a: MetricAnalysis) -> list[str]:
+    m = a.metric
+    names = [v.name for v in study.variants]
+    others = [n for n in names if n != study.control]
+    head = ["seed"] + names + [f"{n} - {study.control}" for n in others]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for seed in study.seeds:
+        vals = [a.summaries[n].values.get(seed) for n in names]
+        row = [str(seed)] + ["missing" if v is None else _fmt(v, m) for v in vals]
+        ctrl = a.summaries[study.control].values.get(seed)
+        for n in others:
+            v = a.summaries[n].values.get(seed)
+            row.append("n/a" if v is None or ctrl is None else _fmt(v - ctrl, m, sign=True))
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequence[RunResult],
+                 charts: Sequence[Path], out_dir: Path, reproduce: str, n_boot: int, elapsed_s: float | None = None,
+                 workers: int | None = None) -> Path:
+    primary = analyses[0]
+    ok = [r for r in results if r.ok]
+    failed = [r for r in results if r.status == "failed"]
+    cancelled = [r for r in results if r.status == "cancelled"]
+    lines = [f"# Study `{study.name}`", ""]
+    if study.description:
+        lines += [study.description, ""]
+    lines += [f"**Primary metric `{primary.metric.tag}`, {len(study.seeds)} seeds per variant:**", ""]
+    for c in primary.comparisons:
+        lines.append(f"- {c.verdict}")
+    if not primary.comparisons:
+        lines.append("- no comparison could be made")
+    lines += [""]
+
+    lines += ["## Setup", "",
+              f"- study file: `{_rel(study.path)}`; base config: `{_rel(study.base)}`",
+              "- common overrides: " + (" ".join(f"`{a}`" for a in overrides_to_args(study.overrides)) or "none"),
+              f"- variable: `{study.variable or '(see variants)'}`; control: **{study.control}**",
+              "- variants: " + "; ".join(f"**{v.name}** = " + " ".join(f"`{a}`" for a in overrides_to_args(v.overrides))
+                                         for v in study.variants),
+              f"- seeds: {study.seeds} (each passed as " + ", ".join(f"`{k}`" for k in study.seed_keys) + ")",
+              f"- runs: {len(ok)} finished ({sum(r.status == 'done' for r in results)} in this invocation, "
+              f"{sum(r.status == 'skipped' for r in results)} reused), {len(failed)} failed, {len(cancelled)} not run",
+              ]
+    walls = [r.wall_s for r in ok if r.wall_s]
+    if walls:
+        took = f"; this invocation took {elapsed_s / 60:.1f} min" if elapsed_s else ""
+        lines.append(f"- time per run: median {sorted(walls)[len(walls) // 2]:.0f} s (min {min(walls):.0f}, "
+                     f"max {max(walls):.0f}){took}" + (f" with {workers} workers" if workers else ""))
+    if study.budget:
+        lines.append(f"- budget: {study.budget}")
+    lines += [f"- code: git {git_revision()}; report written {time.strftime('%Y-%m-%d %H:%M')}", ""]
+
+    for i, a in enumerate(analyses):
+        lines += _metric_section(study, a, primary=i == 0)
+
+    if charts:
+        lines += ["## Charts", ""]
+        lines += [f"![{p.stem}]({p.name})" for p in charts]
+        lines.append("")
+
+    if study.tutorial:
+        lines += ["## The tutorial's result for comparison", "", study.tutorial, ""]
+
+    lines += [f"## Per-seed values of `{primary.metric.tag}`", ""] + _per_seed_table(study, primary)
+
+    n_pairs = max((c.n for c in primary.comparisons), default=0)
+    lines += ["## Method", "",
+              "- Final value = the last logged value of each TensorBoard scalar tag in each run.",
+              "- Per variant: mean across seeds with a Student-t 95% interval.",
+              f"- Paired comparison against the control on matched seeds: per-seed difference (variant - control), "
+              f"percentile bootstrap interval of its mean ({n_boot:,} resamples, seed 0), two-sided sign-flip "
+              f"permutation test (exact over all 2^n patterns when n <= {EXACT_SIGN_FLIP_MAX_N}; with n = {n_pairs} "
+              f"the smallest attainable p is {format_p(min_attainable_p(n_pairs))}).",
+              "- Holm's step-down adjustment across the comparisons of each metric; a verdict calls a difference "
+              "only when the (Holm-adjusted, if more than one comparison) p is below 0.05. Secondary metrics are "
+              "exploratory.",
+              ""]
+
+    if failed or cancelled:
+        lines += ["## Failed runs", ""]
+        for r in failed:
+            lines += [f"- `{r.spec.key}` (exit {r.returncode}, `{_rel(r.spec.run_dir)}/stderr.log`):", "",
+                      "```", r.error.strip()[-3000:], "```", ""]
+        for r in cancelled:
+            lines.append(f"- `{r.spec.key}`: not run")
+        lines.append("")
+
+    example = next((r for r in results), None)
+    lines += ["## Reproduce", "", "```", reproduce, "```", ""]
+    if example is not None:
+        lines += ["One run by hand (logs into the current directory's lightning_logs/):", "", "```",
+                  "python -m glm_lightning fit " + " ".join(_rel_arg(a) for a in example.spec.args
+                                                            if not a.startswith(("--trainer.logger.init_args",
+                                                                                 "--trainer.default_root_dir"))),
+                  "```", ""]
+    lines += [f"TensorBoard: `tensorboard --logdir {_rel(out_dir)}` (runs) or "
+              f"`tensorboard --logdir {_rel(out_dir / 'hparams')}` (HPARAMS tab: one row per run).", ""]
+    path = out_dir / "REPORT.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _rel(path: Path) -> str:
+    path = Path(path).resolve()
+    for root in (Path.cwd(), REPO_ROOT):
+        try:
+            return str(path.relative_to(root))
+        except ValueError:
+            continue
+    return str(path)
+
+
+def _rel_arg(arg: str) -> str:
+    return _rel(Path(arg)) if arg.startswith("/") and Path(arg).exists() else (
+        "'" + arg + "'" if any(ch in arg for ch in " {}[]\"") else arg)

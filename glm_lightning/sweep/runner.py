@@ -1,0 +1,354 @@
+"""Running every (variant, seed) of a study as an isolated `python -m glm_lightning fit ...` subprocess.
+
+- Each run has its own directory `<out>/<study>/<variant>/seed<k>/` holding its TensorBoard events, `config.yaml`,
+  `stdout.log` / `stderr.log`, and on success `DONE.json` (final value of every scalar tag, wall time, the exact
+  command and a fingerprint of the run's arguments and base config). Runs with a matching `DONE.json` are skipped, so a
+  sweep is resumable; a run directory without it is wiped and the run starts over.
+- A failing run writes `FAILED.json` (return code, stderr tail); the other runs continue.
+- Backends: `local` (a thread pool of `workers` subprocesses, `OMP_NUM_THREADS=threads` each) and `ray` (one Ray task
+  per run; the task returns the run directory's files so a cluster without a shared filesystem works too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glm_lightning.sweep.events import final_values, read_scalars
+from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError
+
+DONE_FILE = "DONE.json"
+FAILED_FILE = "FAILED.json"
+STDERR_TAIL_LINES = 25
+MAX_RETURNED_FILE_BYTES = 64 * 2 ** 20
+
+
+@dataclass
+class RunSpec:
+    variant: str
+    seed: int
+    run_dir: Path
+    args: list[str]
+    fingerprint: str
+    base: str = ""
+    base_text: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.variant}/seed{self.seed}"
+
+    def command(self, python: str | None = None) -> list[str]:
+        return [python or sys.executable, "-m", "glm_lightning", "fit", *self.args]
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    status: str  # "done" (ran now), "skipped" (finished earlier), "failed", "cancelled"
+    final: dict[str, float] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    returncode: int | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("done", "skipped")
+
+
+def log_dir_args(run_dir: Path) -> list[str]:
+    """Arguments that put a run's logs (events, config.yaml, checkpoints) directly into `run_dir`."""
+    return [f"--trainer.logger.init_args.save_dir={run_dir}", "--trainer.logger.init_args.name=",
+            "--trainer.logger.init_args.version=", f"--trainer.default_root_dir={run_dir}",
+            "--trainer.enable_progress_bar=false"]
+
+
+def plan_runs(study: Study, out: Path) -> list[RunSpec]:
+    """All runs of the study, seed-major (both arms of a seed finish close together)."""
+    base_text = study.base.read_text()
+    specs = []
+    for seed in study.seeds:
+        for variant in study.variants:
+            run_dir = (out / study.name / variant.name / f"seed{seed}").resolve()
+            specs.append(RunSpec(variant.name, seed, run_dir, study.run_args(variant, seed) + log_dir_args(run_dir),
+                                 study.fingerprint(variant, seed), str(study.base), base_text))
+    return specs
+
+
+def read_done(spec: RunSpec) -> dict[str, Any] | None:
+    """The run's DONE.json if it exists and was written for the same arguments and base config."""
+    path = spec.run_dir / DONE_FILE
+    if not path.is_file():
+        return None
+    try:
+        done = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if done.get("fingerprint") != spec.fingerprint:
+        return None
+    return done
+
+
+def run_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"
+    env["JSONARGPARSE_DEPRECATION_WARNINGS"] = "off"
+    return env
+
+
+def tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
+    if not path.is_file():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def launch(spec: RunSpec, env: dict[str, str], timeout_s: float | None = None,
+           register: Callable[[subprocess.Popen | None], None] | None = None,
+           python: str | None = None) -> tuple[int, float]:
+    """Run one training subprocess in a fresh run directory; returns (return code, wall seconds)."""
+    if spec.run_dir.exists():
+        shutil.rmtree(spec.run_dir)
+    spec.run_dir.mkdir(parents=True)
+    t0 = time.perf_counter()
+    with open(spec.run_dir / "stdout.log", "wb") as out, open(spec.run_dir / "stderr.log", "wb") as err:
+        (spec.run_dir / "command.txt").write_text(" ".join(spec.command(python)) + "\n")
+        proc = subprocess.Popen(spec.command(python), stdout=out, stderr=err, env=env, start_new_session=True)
+        if register:
+            register(proc)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            with open(spec.run_dir / "stderr.log", "a") as fh:
+                fh.write(f"\n[sweep] killed after the run timeout of {timeout_s:g} s\n")
+            rc = -9
+        finally:
+            if register:
+                register(None)
+    return rc, time.perf_counter() - t0
+
+
+def finalize(spec: RunSpec, rc: int, wall_s: float) -> RunResult:
+    """Turn a finished subprocess into a RunResult; writes DONE.json or FAILED.json."""
+    if rc == 0:
+        try:
+            final, steps = final_values(read_scalars(spec.run_dir))
+        except Exception as err:  # noqa: BLE001 - unreadable events make the run a failure, not the sweep
+            error = f"could not read TensorBoard events: {err}"
+        else:
+            error = "" if final else "the run finished but wrote no TensorBoard scalars (is trainer.logger set?)"
+        if not error:
+            done = {"variant": spec.variant, "seed": spec.seed, "fingerprint": spec.fingerprint,
+                    "final": final, "steps": steps, "wall_s": round(wall_s, 2),
+                    "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "command": " ".join(spec.command())}
+            (spec.run_dir / DONE_FILE).write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
+            return RunResult(spec, "done", final, steps, wall_s, rc)
+    else:
+        error = tail(spec.run_dir / "stderr.log") or f"exit status {rc}"
+    (spec.run_dir / FAILED_FILE).write_text(json.dumps({"returncode": rc, "wall_s": round(wall_s, 2),
+                                                         "error": error}, indent=1) + "\n")
+    return RunResult(spec, "failed", wall_s=wall_s, returncode=rc, error=error)
+
+
+# --- backends --------------------------------------------------------------------------------------------------------
+Outcome = tuple[RunSpec, int, float]
+
+
+class LocalBackend:
+    """A pool of `workers` threads, each running one subprocess at a time."""
+
+    def __init__(self, workers: int, threads: int = 1, timeout_s: float | None = None) -> None:
+        self.workers, self.timeout_s, self.env = max(1, workers), timeout_s, run_env(threads)
+        self._abort = threading.Event()
+        self._procs: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def _one(self, spec: RunSpec) -> Outcome | None:
+        if self._abort.is_set():
+            return None
+        holder: list[subprocess.Popen] = []
+
+        def register(proc: subprocess.Popen | None) -> None:
+            with self._lock:
+                if proc is not None:
+                    holder.append(proc)
+                    self._procs.add(proc)
+                else:
+                    self._procs.difference_update(holder)
+        rc, wall = launch(spec, self.env, self.timeout_s, register)
+        return spec, rc, wall
+
+    def _kill_all(self) -> None:
+        with self._lock:
+            for proc in list(self._procs):
+                if proc.poll() is None:
+                    proc.kill()
+
+    def run(self, specs: Sequence[RunSpec], on_outcome: Callable[[Outcome], None]) -> None:
+        self._abort.clear()
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="sweep")
+        futures = [pool.submit(self._one, s) for s in specs]
+        try:
+            for fut in as_completed(futures):
+                outcome = fut.result()
+                if outcome is not None:
+                    on_outcome(outcome)
+        except BaseException:
+            self._abort.set()
+            for fut in futures:
+                fut.cancel()
+            self._kill_all()
+            raise
+        finally:
+            pool.shutdown(wait=True)
+
+
+def _collect_files(run_dir: Path) -> dict[str, bytes]:
+    files = {}
+    for path in run_dir.rglob("*"):
+        if path.is_file() and path.suffix != ".ckpt" and path.stat().st_size <= MAX_RETURNED_FILE_BYTES:
+            files[str(path.relative_to(run_dir))] = path.read_bytes()
+    return files
+
+
+def ray_task(spec: RunSpec, threads: int, timeout_s: float | None) -> tuple[int, float, dict[str, bytes]]:
+    """Body of one Ray task: run on whichever node Ray picked; return the run directory's files (no checkpoints) so
+    the driver gets events and logs even without a shared filesystem."""
+    import tempfile
+
+    try:
+        spec.run_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # the driver's path cannot exist on this node: run in a temporary directory
+        local = Path(tempfile.mkdtemp(prefix="glm-sweep-")) / spec.run_dir.name
+        spec.args = [a.replace(str(spec.run_dir), str(local)) for a in spec.args]
+        spec.run_dir = local
+    if not Path(spec.base).is_file():  # another node: use the driver's base config text
+        local_base = spec.run_dir.parent / f".base-{spec.variant}-seed{spec.seed}.yaml"
+        local_base.write_text(spec.base_text)
+        spec.args = [str(local_base) if a == spec.base else a for a in spec.args]
+    rc, wall = launch(spec, run_env(threads), timeout_s)
+    return rc, wall, _collect_files(spec.run_dir)
+
+
+class RayBackend:
+    """One Ray task per run. Connects to `address` (or $RAY_ADDRESS) when given, else starts a local Ray with
+    `workers` CPUs. At most `workers` runs are in flight."""
+
+    def __init__(self, workers: int, threads: int = 1, timeout_s: float | None = None,
+                 address: str | None = None) -> None:
+        try:
+            import ray
+        except ImportError as err:
+            raise StudyError("the ray backend needs Ray: pip install '.[ray]' (or pip install 'ray[train,tune]')") \
+                from err
+        self.ray = ray
+        self.workers, self.threads, self.timeout_s = max(1, workers), threads, timeout_s
+        address = address or os.environ.get("RAY_ADDRESS") or None
+        if not ray.is_initialized():
+            kwargs: dict[str, Any] = {"address": address, "log_to_driver": False}
+            if address is None:
+                kwargs["num_cpus"] = self.workers * threads
+            ray.init(**kwargs)
+
+    def run(self, specs: Sequence[RunSpec], on_outcome: Callable[[Outcome], None]) -> None:
+        ray = self.ray
+        remote = ray.remote(num_cpus=self.threads, max_retries=0)(ray_task)
+        queue = list(specs)
+        inflight: dict[Any, RunSpec] = {}
+        try:
+            while queue or inflight:
+                while queue and len(inflight) < self.workers:
+                    spec = queue.pop(0)
+                    inflight[remote.remote(spec, self.threads, self.timeout_s)] = spec
+                ready, _ = ray.wait(list(inflight), num_returns=1)
+                spec = inflight.pop(ready[0])
+                try:
+                    rc, wall, files = ray.get(ready[0])
+                except Exception as err:  # noqa: BLE001 - a task that died is a failed run
+                    spec.run_dir.mkdir(parents=True, exist_ok=True)
+                    (spec.run_dir / "stderr.log").write_text(f"[sweep] ray task failed: {err}\n")
+                    on_outcome((spec, -1, 0.0))
+                    continue
+                for rel, data in files.items():
+                    dest = spec.run_dir / rel
+                    if not dest.is_file() or dest.stat().st_size != len(data):
+                        dest.parent.mkdir(parents=True, exist_ok=True)
+                        dest.write_bytes(data)
+                on_outcome((spec, rc, wall))
+        except BaseException:
+            for ref in inflight:
+                ray.cancel(ref, force=True)
+            raise
+
+
+def check_metrics(study: Study, result: RunResult) -> None:
+    """Every study metric must be a scalar tag of a finished run; otherwise the study file is wrong."""
+    missing = [m.tag for m in study.metrics if m.tag not in result.final]
+    if missing:
+        raise StudyError(f"{study.path}: metric(s) {missing} were not logged by run {result.spec.key} "
+                         f"({result.spec.run_dir}); its scalar tags are {sorted(result.final)}. "
+                         f"Fix `metrics` in the study file.")
+
+
+def execute(study: Study, specs: Iterable[RunSpec], backend: LocalBackend | RayBackend,
+            log: Callable[[str], None] = print) -> list[RunResult]:
+    """Skip finished runs, launch the rest on `backend`, check the metric tags after the first finished run."""
+    specs = list(specs)
+    results: dict[str, RunResult] = {}
+    todo = []
+    for spec in specs:
+        done = read_done(spec)
+        if done is not None:
+            results[spec.key] = RunResult(spec, "skipped", done.get("final", {}), done.get("steps", {}),
+                                          float(done.get("wall_s", 0.0)))
+        else:
+            todo.append(spec)
+    checked = False
+    for res in results.values():
+        check_metrics(study, res)
+        checked = True
+        break
+    log(f"[sweep] {study.name}: {len(specs)} runs, {len(specs) - len(todo)} already done, {len(todo)} to run")
+    counter = [len(specs) - len(todo)]
+
+    def on_outcome(outcome: Outcome) -> None:
+        nonlocal checked
+        spec, rc, wall = outcome
+        res = finalize(spec, rc, wall)
+        results[spec.key] = res
+        counter[0] += 1
+        if res.ok:
+            primary = study.primary.tag
+            shown = f"{primary}={res.final[primary]:.4f}" if primary in res.final else "(primary metric missing)"
+            log(f"[sweep] [{counter[0]}/{len(specs)}] {spec.key} finished in {wall:.0f} s: {shown}")
+            if not checked:
+                check_metrics(study, res)
+                checked = True
+        else:
+            log(f"[sweep] [{counter[0]}/{len(specs)}] {spec.key} FAILED (exit {rc}) after {wall:.0f} s; "
+                f"see {spec.run_dir / 'stderr.log'}:\n    " + res.error.strip().replace("\n", "\n    ")[-2000:])
+
+    if todo:
+        backend.run(todo, on_outcome)
+    return [results.get(s.key, RunResult(s, "cancelled")) for s in specs]
+
+
+def result_record(res: RunResult) -> dict[str, Any]:
+    d = asdict(res)
+    d["spec"] = {"variant": res.spec.variant, "seed": res.spec.seed, "run_dir": str(res.spec.run_dir)}
+    return d

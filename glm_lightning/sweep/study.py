@@ -1,0 +1,389 @@
+"""Study files: loading, validation and the command line of every (variant, seed) run.
+
+A study YAML (see `docs/sweeps.md`):
+
+    name: ordering                                # optional; default: the file name
+    description: blocked vs interleaved ...       # optional, shown in REPORT.md
+    base: configs/experiments/base_composition.yaml   # a stage config (relative to the repo root or this file)
+    overrides: {trainer.max_steps: 60}            # CLI-style keys common to all runs
+    variable: data.init_args.ordering             # the dotted config key the study changes ...
+    values: [blocked, interleaved]                # ... and its values (variant name = the value), or instead:
+    variants: {repeated: {data.init_args.diversity: 8}, diverse: {data.init_args.diversity: 88}}
+    control: blocked                              # the variant every other one is compared with
+    seeds: 10                                     # a count (0..N-1) or an explicit list
+    seed_keys: [seed_everything, data.init_args.seed]   # optional: the keys that receive the seed
+    metrics:                                      # TensorBoard scalar tags; the first is the primary one
+      - {tag: val/completion_acc, higher_is_better: true, scale: 100, unit: points}
+      - val/loss                                  # strings: lower is better for */loss, */bpb, */ppl
+    budget: ...                                   # free text (why this size), shown in the report
+    tutorial: ...                                 # free markdown: the numbers to compare with
+
+Validation happens at load time (`load_study`) for the file itself, and in `validate_config` by parsing the base
+config plus every variant's overrides with the project's LightningCLI parser and instantiating the model, data and
+logger/callback classes (without training), so a misspelt key or a bad value fails before any run starts and the
+error names the variant and the key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_SEED_KEYS = ("seed_everything", "data.init_args.seed")
+LOWER_IS_BETTER_SUFFIXES = ("loss", "bpb", "ppl", "perplexity")
+KNOWN_KEYS = {
+    "name", "description", "base", "overrides", "variable", "values", "variants", "control", "seeds", "seed_keys",
+    "metrics", "higher_is_better", "budget", "tutorial",
+}
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class StudyError(ValueError):
+    """A study file or its runs are unusable; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    tag: str
+    higher_is_better: bool = True
+    scale: float = 1.0
+    unit: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.tag} ({'higher' if self.higher_is_better else 'lower'} is better)"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: dict[str, Any]
+
+
+@dataclass
+class Study:
+    name: str
+    path: Path
+    base: Path
+    overrides: dict[str, Any]
+    variable: str | None
+    variants: list[Variant]
+    control: str
+    seeds: list[int]
+    metrics: list[Metric]
+    seed_keys: tuple[str, ...] = DEFAULT_SEED_KEYS
+    description: str = ""
+    budget: str = ""
+    tutorial: str = ""
+    seeds_from_count: bool = True
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def primary(self) -> Metric:
+        return self.metrics[0]
+
+    def variant(self, name: str) -> Variant:
+        return next(v for v in self.variants if v.name == name)
+
+    def run_args(self, variant: Variant, seed: int) -> list[str]:
+        """CLI arguments (after `fit`) that define one run, without the log-directory arguments."""
+        args = ["--config", str(self.base)]
+        args += overrides_to_args({**self.overrides, **variant.overrides})
+        args += overrides_to_args({key: seed for key in self.seed_keys})
+        return args
+
+    def fingerprint(self, variant: Variant, seed: int) -> str:
+        """Changes when anything that defines the run changes (its arguments or the base config's text)."""
+        h = hashlib.sha256(json.dumps(self.run_args(variant, seed)).encode())
+        h.update(self.base.read_bytes())
+        return h.hexdigest()[:16]
+
+    def with_seed_count(self, n: int) -> Study:
+        """The study with `n` seeds: the first n of its seeds, extended by consecutive integers if needed."""
+        if n < 1:
+            raise StudyError(f"{self.path}: --seeds must be >= 1, got {n}")
+        seeds = list(self.seeds[:n])
+        nxt = max(self.seeds) + 1
+        while len(seeds) < n:
+            seeds.append(nxt)
+            nxt += 1
+        out = Study(**{**self.__dict__, "seeds": seeds})
+        return out
+
+
+def _cli_value(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)
+
+
+def overrides_to_args(overrides: dict[str, Any]) -> list[str]:
+    """`{"trainer.max_steps": 200, "data.init_args.curriculum": [...]}` -> `["--trainer.max_steps=200", ...]`
+    (structured values as JSON, None as null; `--key=value` so negative numbers are not read as flags)."""
+    return [f"--{key}={_cli_value(value)}" for key, value in overrides.items()]
+
+
+def _resolve_base(base: Any, study_path: Path) -> Path:
+    if not isinstance(base, str) or not base:
+        raise StudyError(f"{study_path}: `base` must be the path of a stage config (e.g. configs/pretrain.yaml)")
+    p = Path(base)
+    candidates = [p] if p.is_absolute() else [study_path.parent / p, Path.cwd() / p, REPO_ROOT / p]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    raise StudyError(f"{study_path}: base config {base!r} not found (looked in: "
+                     f"{', '.join(str(c) for c in candidates)})")
+
+
+def _check_overrides(where: str, overrides: Any) -> dict[str, Any]:
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise StudyError(f"{where} must be a mapping of dotted config keys to values, e.g. "
+                         f"{{trainer.max_steps: 200}}; got {type(overrides).__name__}")
+    for key in overrides:
+        if not isinstance(key, str) or not _KEY_RE.match(key):
+            raise StudyError(f"{where}: {key!r} is not a dotted config key such as data.init_args.ordering")
+    return dict(overrides)
+
+
+def _variant_name(value: Any) -> str:
+    name = _cli_value(value)
+    if not _NAME_RE.match(name):
+        raise StudyError(f"value {value!r} cannot name a run directory; use `variants: {{name: {{key: value}}}}`")
+    return name
+
+
+def _parse_metrics(path: Path, raw: Any, hib: Any) -> list[Metric]:
+    if not raw:
+        raise StudyError(f"{path}: `metrics` must list at least one TensorBoard scalar tag, e.g. [val/completion_acc]")
+    if isinstance(raw, str):
+        raw = [raw]
+    if not isinstance(raw, list):
+        raise StudyError(f"{path}: `metrics` must be a list of tags or {{tag: ..., higher_is_better: ...}} entries")
+    if hib is not None and not isinstance(hib, (bool, dict)):
+        raise StudyError(f"{path}: `higher_is_better` must be true/false (primary metric) or a mapping tag -> bool")
+    out: list[Metric] = []
+    for i, entry in enumerate(raw):
+        if isinstance(entry, str):
+            entry = {"tag": entry}
+        if not isinstance(entry, dict) or not isinstance(entry.get("tag"), str) or not entry["tag"]:
+            raise StudyError(f"{path}: metrics[{i}] must be a tag string or a mapping with a `tag`, got {entry!r}")
+        extra = set(entry) - {"tag", "higher_is_better", "scale", "unit"}
+        if extra:
+            raise StudyError(f"{path}: metrics[{i}]: unknown key(s) {sorted(extra)}; "
+                             f"allowed: tag, higher_is_better, scale, unit")
+        tag = entry["tag"]
+        default = not tag.rsplit("/", 1)[-1].endswith(LOWER_IS_BETTER_SUFFIXES)
+        if isinstance(hib, dict) and tag in hib:
+            default = hib[tag]
+        elif isinstance(hib, bool) and i == 0:
+            default = hib
+        better = entry.get("higher_is_better", default)
+        if not isinstance(better, bool):
+            raise StudyError(f"{path}: metrics[{i}].higher_is_better must be true or false")
+        scale = entry.get("scale", 1.0)
+        if not isinstance(scale, (int, float)) or scale <= 0:
+            raise StudyError(f"{path}: metrics[{i}].scale must be a positive number")
+        out.append(Metric(tag, better, float(scale), str(entry.get("unit", ""))))
+    tags = [m.tag for m in out]
+    if len(set(tags)) != len(tags):
+        raise StudyError(f"{path}: duplicate metric tags in {tags}")
+    return out
+
+
+def _parse_seeds(path: Path, raw: Any) -> tuple[list[int], bool]:
+    if isinstance(raw, bool) or raw is None:
+        raise StudyError(f"{path}: `seeds` must be a count (e.g. 10) or a list of integers")
+    if isinstance(raw, int):
+        if raw < 1:
+            raise StudyError(f"{path}: seeds is {raw}; a study needs at least 1 seed (10 to have a chance of "
+                             f"p < 0.05 with the exact sign-flip test needs >= 6)")
+        return list(range(raw)), True
+    if isinstance(raw, list):
+        if not raw:
+            raise StudyError(f"{path}: `seeds` is an empty list; a study needs at least 1 seed")
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in raw):
+            raise StudyError(f"{path}: `seeds` must contain integers only, got {raw}")
+        if len(set(raw)) != len(raw):
+            raise StudyError(f"{path}: duplicate seeds in {raw}")
+        return list(raw), False
+    raise StudyError(f"{path}: `seeds` must be a count or a list of integers, got {raw!r}")
+
+
+def load_study(path: str | Path, seeds: int | None = None) -> Study:
+    """Read and check a study file (not yet the base config: see `validate_config`). `seeds` overrides the count."""
+    path = Path(path)
+    if not path.is_file():
+        raise StudyError(f"study file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise StudyError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise StudyError(f"{path}: a study file must be a YAML mapping with base, variable/values (or variants), "
+                         f"control, seeds and metrics; got {type(raw).__name__}")
+    unknown = set(raw) - KNOWN_KEYS
+    if unknown:
+        raise StudyError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: {sorted(KNOWN_KEYS)}")
+    for key in ("base", "seeds", "metrics"):
+        if key not in raw:
+            raise StudyError(f"{path}: missing required key `{key}`")
+    name = str(raw.get("name") or path.stem)
+    if not _NAME_RE.match(name):
+        raise StudyError(f"{path}: study name {name!r} must be usable as a directory name")
+    base = _resolve_base(raw["base"], path)
+    overrides = _check_overrides(f"{path}: overrides", raw.get("overrides"))
+
+    variable = raw.get("variable")
+    if variable is not None and (not isinstance(variable, str) or not _KEY_RE.match(variable)):
+        raise StudyError(f"{path}: `variable` must be a dotted config key such as data.init_args.ordering, "
+                         f"got {variable!r}")
+    has_values, has_variants = "values" in raw, "variants" in raw
+    if has_values == has_variants:
+        raise StudyError(f"{path}: give exactly one of `values` (with `variable`) or `variants` (name -> overrides)")
+    variants: list[Variant] = []
+    if has_values:
+        if variable is None:
+            raise StudyError(f"{path}: `values` needs `variable` (the dotted config key they are assigned to)")
+        values = raw["values"]
+        if not isinstance(values, list) or len(values) < 2:
+            raise StudyError(f"{path}: `values` must list at least 2 values of {variable}")
+        if variable in overrides:
+            raise StudyError(f"{path}: the variable {variable} also appears in `overrides`")
+        variants = [Variant(_variant_name(v), {variable: v}) for v in values]
+    else:
+        spec = raw["variants"]
+        if not isinstance(spec, dict) or len(spec) < 2:
+            raise StudyError(f"{path}: `variants` must map at least 2 variant names to override mappings")
+        for vname, vover in spec.items():
+            vname = str(vname)
+            if not _NAME_RE.match(vname):
+                raise StudyError(f"{path}: variant name {vname!r} must be usable as a directory name")
+            variants.append(Variant(vname, _check_overrides(f"{path}: variants.{vname}", vover)))
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise StudyError(f"{path}: duplicate variant names {names}")
+
+    control = raw.get("control", names[0])
+    control = _cli_value(control) if not isinstance(control, str) else control
+    if control not in names:
+        raise StudyError(f"{path}: control {control!r} is not one of the variants {names}")
+
+    seed_list, from_count = _parse_seeds(path, raw["seeds"])
+    seed_keys = raw.get("seed_keys", list(DEFAULT_SEED_KEYS))
+    if isinstance(seed_keys, str):
+        seed_keys = [seed_keys]
+    if not isinstance(seed_keys, list) or not all(isinstance(k, str) and _KEY_RE.match(k) for k in seed_keys):
+        raise StudyError(f"{path}: `seed_keys` must be a list of dotted config keys")
+    metrics = _parse_metrics(path, raw["metrics"], raw.get("higher_is_better"))
+    study = Study(
+        name=name, path=path, base=base, overrides=overrides, variable=variable, variants=variants,
+        control=control, seeds=seed_list, metrics=metrics, seed_keys=tuple(seed_keys),
+        description=str(raw.get("description") or "").strip(), budget=str(raw.get("budget") or "").strip(),
+        tutorial=str(raw.get("tutorial") or "").strip(), seeds_from_count=from_count, raw=raw,
+    )
+    if seeds is not None:
+        study = study.with_seed_count(seeds)
+    return study
+
+
+# --- validating against the real config parser ---------------------------------------------------------------------
+def _short_error(err: BaseException) -> str:
+    """The informative lines of a jsonargparse/constructor error (drops the Union-subtype boilerplate)."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    skip = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:",
+            "- Expected a <class 'NoneType'>", "Given value type:", "Given value:")
+    keep = [ln.removeprefix("- ").rstrip(":") for ln in lines if not ln.startswith(skip)]
+    return "; ".join(keep[:6]) or type(err).__name__
+
+
+@functools.lru_cache(maxsize=1)
+def _config_checker():  # noqa: ANN202 - returns a callable parser wrapper
+    """The project's LightningCLI parser (built once per process) as a function that parses arguments and
+    instantiates the model, data, logger and callbacks, never the Trainer."""
+    import lightning.pytorch as pl
+
+    from glm_lightning.cli import GLMCLI
+
+    class _ParseOnly(GLMCLI):
+        def parse_arguments(self, parser: Any, args: Any) -> None:
+            from jsonargparse import Namespace
+
+            self.config = Namespace()
+
+        def _set_seed(self) -> None:
+            pass
+
+        def instantiate_classes(self) -> None:
+            pass
+
+        def after_instantiate_classes(self) -> None:
+            pass
+
+    cli = _ParseOnly(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                     seed_everything_default=0, auto_configure_optimizers=False, run=False,
+                     parser_kwargs={"exit_on_error": False}, args=[])
+
+    def check(args: list[str]) -> None:
+        cfg = cli.parser.parse_args(args)
+        cli.config = cfg  # the module instantiators dump cli.config into the modules' hparams
+        cli.__dict__.pop("config_dump", None)
+        cli.parser.instantiate_classes(cfg)
+
+    return check
+
+
+def _unknown_keys_hint(check: Any, base_args: list[str], overrides: dict[str, Any]) -> list[str]:
+    """Which single override keys fail on their own (to name the culprit)."""
+    bad = []
+    for key, value in overrides.items():
+        try:
+            check(base_args + overrides_to_args({key: value}))
+        except (Exception, SystemExit):  # noqa: BLE001 - any failure names the key
+            bad.append(key)
+    return bad
+
+
+def validate_config(study: Study, log_args: Sequence[str] = ()) -> None:
+    """Parse the base config with the common overrides, each variant's overrides, the seed keys and `log_args`
+    through the project's CLI parser; raise StudyError naming the variant and key on failure."""
+    import io
+    import warnings
+    from contextlib import redirect_stderr
+
+    with warnings.catch_warnings(), redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        check = _config_checker()
+        base_args = ["--config", str(study.base)]
+        try:
+            check(base_args)
+        except (Exception, SystemExit) as err:  # noqa: BLE001
+            raise StudyError(f"{study.path}: the base config {study.base} does not parse: "
+                             f"{_short_error(err)}") from None
+        for variant in study.variants:
+            args = study.run_args(variant, study.seeds[0]) + list(log_args)
+            try:
+                check(args)
+            except (Exception, SystemExit) as err:  # noqa: BLE001
+                every = {**study.overrides, **variant.overrides, **{k: study.seeds[0] for k in study.seed_keys}}
+                culprits = _unknown_keys_hint(check, base_args, every)
+                which = f" (offending key(s): {', '.join(culprits)})" if culprits else ""
+                raise StudyError(f"{study.path}: variant {variant.name!r}: the overrides do not form a valid "
+                                 f"config of {study.base.name}{which}: {_short_error(err)}") from None
