@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from datamodules.sharding import rank_and_world
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from glm_lightning.tasks import composition
@@ -302,14 +303,8 @@ class CodeCorpusDataModule(pl.LightningDataModule):
                 val = composition_heldout(hp.val_examples, hp.seed, hp.composition_train_structures)
             self.val_rows = pack_rows(val, hp.seq_len, packing=False)
 
-    def _rank(self) -> tuple[int, int]:
-        trainer = getattr(self, "trainer", None)
-        if trainer is None:
-            return 0, 1
-        return trainer.global_rank, trainer.world_size
-
     def train_dataloader(self) -> DataLoader:
-        rank, world = self._rank()
+        rank, world = rank_and_world(self)
         ds = OrderedRows(self.train_rows, rank, world)
         return ResumableLoader(ds, batch_size=self.hparams.batch_size,
                           collate_fn=lambda rows: collate_rows(rows, self.hparams.seq_len))

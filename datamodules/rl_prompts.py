@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+from datamodules.sharding import rank_and_world
 from torch.utils.data import DataLoader, IterableDataset
 
 from glm_lightning.tasks.families import CLASSIC_FAMILIES, RL_FAMILIES, resolve_families
@@ -140,14 +141,8 @@ class RLPromptDataModule(pl.LightningDataModule):
         return make_tasks(split or hp.eval_split, hp.eval_per_family if per_family is None else per_family,
                           list(families or self.families), seed=hp.seed)
 
-    def _rank(self) -> tuple[int, int]:
-        trainer = getattr(self, "trainer", None)
-        if trainer is None:
-            return 0, 1
-        return trainer.global_rank, trainer.world_size
-
     def train_dataloader(self) -> DataLoader:
-        rank, world = self._rank()
+        rank, world = rank_and_world(self)
         hp = self.hparams
         self._stream = PromptStream([task_record(t) for t in self.prompt_tasks], hp.epochs, hp.seed, hp.shuffle,
                                     rank, world)
@@ -157,7 +152,7 @@ class RLPromptDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         """Evaluation tasks as records (the RL module scores the reference NLL; callbacks generate)."""
-        rank, world = self._rank()
+        rank, world = rank_and_world(self)
         records = [task_record(t) for t in self.eval_tasks()][rank::world]
         return DataLoader(records, batch_size=max(self.hparams.batch_size, 8), shuffle=False,
                           collate_fn=collate_records)
