@@ -296,8 +296,10 @@ class RegressionCallback(Callback):
         if self.output_dir:
             return Path(self.output_dir)
         logger = trainer.logger
-        if logger is not None and not isinstance(logger, DummyLogger) and trainer.log_dir:
-            return Path(trainer.log_dir)
+        # the logger's own log_dir, not trainer.log_dir: that one is a DDP collective and only rank 0 writes here
+        log_dir = None if logger is None or isinstance(logger, DummyLogger) else getattr(logger, "log_dir", None)
+        if log_dir:
+            return Path(log_dir)
         return Path(trainer.default_root_dir)
 
     def write_reports(self, trainer: pl.Trainer) -> Path | None:

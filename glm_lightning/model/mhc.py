@@ -36,13 +36,46 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6) -> 
     """Project [..., n, n] logits onto (approximately) doubly stochastic matrices, in fp32.
 
     Columns are the last-normalised axis, so column sums are exact to ~1e-6; row sums converge with `iters`.
+    The iterations run in an entries-major layout [n, n, N] (N = all leading dims): every row/column sum is then a
+    vectorised add over N instead of a reduction over a 4-wide inner axis, 3x faster forward+backward on a CPU.
     """
-    m = torch.softmax(logits.float(), dim=-1) + eps
-    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    shape = logits.shape
+    m = logits.float().reshape(-1, *shape[-2:]).permute(1, 2, 0).contiguous()  # [n(row), n(col), N]
+    m = torch.softmax(m, dim=1) + eps
+    m = m / (m.sum(dim=0, keepdim=True) + eps)
     for _ in range(iters - 1):
-        m = m / (m.sum(dim=-1, keepdim=True) + eps)
-        m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    return m
+        m = m / (m.sum(dim=1, keepdim=True) + eps)
+        m = m / (m.sum(dim=0, keepdim=True) + eps)
+    return m.permute(2, 0, 1).reshape(shape).contiguous()  # a strided res would send bmm to its slow path
+
+
+def read_streams(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """h = sum_i H_pre[i] x_i: [B,T,n] x [B,T,n,C] -> [B,T,C] (broadcast-sum; einsum/bmm runs N tiny GEMMs)."""
+    return (pre.unsqueeze(-1) * x).sum(dim=-2)
+
+
+class StreamWrite(torch.autograd.Function):
+    """x_next = H_res x + H_post^T y, per token: [B,T,n,n] x [B,T,n,C] + [B,T,n] x [B,T,C] -> [B,T,n,C].
+
+    Written out because autograd's own backward of a batched [n,n] @ [n,C] matmul transposes an operand into a
+    non-contiguous view, which sends PyTorch's CPU bmm to a per-token loop of tiny GEMMs (8x slower than this, and
+    the single biggest item in a profiled training step). Every product here keeps contiguous operands.
+    """
+
+    @staticmethod
+    def forward(ctx, res: torch.Tensor, x: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(res, x, post, y)
+        return torch.matmul(res, x).addcmul_(post.unsqueeze(-1), y.unsqueeze(-2))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        res, x, post, y = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_res = torch.matmul(grad, x.transpose(-1, -2))                 # [n,C] @ [C,n]
+        grad_x = torch.matmul(res.transpose(-1, -2).contiguous(), grad)     # [n,n] @ [n,C]
+        grad_post = torch.matmul(grad, y.unsqueeze(-1)).squeeze(-1)        # [n,C] @ [C,1]
+        grad_y = torch.matmul(post.unsqueeze(-2), grad).squeeze(-2)        # [1,n] @ [n,C]
+        return grad_res, grad_x, grad_post, grad_y
 
 
 class HyperConnection(nn.Module):
@@ -66,8 +99,11 @@ class HyperConnection(nn.Module):
     def mappings(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """H_pre [B,T,n], H_post [B,T,n], H_res [B,T,n,n] from the streams x [B,T,n,C] (fp32)."""
         n = self.n
-        flat = F.rms_norm(x.flatten(-2).float(), (n * self.dim,), eps=self.norm_eps)
-        raw = F.linear(flat, self.phi.float())
+        flat = x.flatten(-2).float()
+        # RMSNorm(flat) @ phi^T == (flat @ phi^T) * rsqrt(mean(flat^2) + eps): the norm has no weight, so it is
+        # applied to the 24 projected values instead of the n*C inputs (no normalised copy, cheaper backward).
+        inv_rms = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + self.norm_eps)
+        raw = F.linear(flat, self.phi.float()) * inv_rms
         scale = torch.cat([self.alpha[0].expand(n), self.alpha[1].expand(n), self.alpha[2].expand(n * n)])
         logits = raw * scale + self.bias
         pre_l, post_l, res_l = logits.split([n, n, n * n], dim=-1)
@@ -81,10 +117,8 @@ class HyperConnection(nn.Module):
             return x + sublayer(x[..., 0, :]).unsqueeze(-2)
         pre, post, res = self.mappings(x)
         pre, post, res = pre.to(x.dtype), post.to(x.dtype), res.to(x.dtype)
-        h = torch.einsum("btn,btnc->btc", pre, x)
-        y = sublayer(h)
-        mixed = torch.matmul(res, x)  # [B,T,n,n] @ [B,T,n,C]: x_next_i = sum_j H_res[i,j] x_j
-        return mixed + post.unsqueeze(-1) * y.unsqueeze(-2)
+        y = sublayer(read_streams(pre, x))
+        return StreamWrite.apply(res, x, post, y.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"streams={self.n}, dim={self.dim}, sinkhorn_iters={self.iters}"
