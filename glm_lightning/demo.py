@@ -1,50 +1,192 @@
-"""`make demo`: the end-to-end job on embedded defaults, no network. Each stage's checkpoint feeds the next.
+"""`make demo`: the whole product on embedded defaults, no network; each stage's checkpoint feeds the next.
 
-Stage 1 pre-trains a small model on the classic function families and reports the greedy dev pass per family
-(held-out identities, verified in the sandbox). Later stages join as they land.
+    stage 1  pre-training   a small model learns the classic function families (configs/demo/pretrain.yaml)
+    stage 2  vision         digit images for that model, language model mostly frozen (configs/demo/vision.yaml);
+                            afterwards the text dev pass is measured again (did vision fine-tuning cost text skill?)
+    stage 3  RL             GRPO-family RL on executable tasks from the stage-2 weights (configs/demo/rl.yaml):
+                            pass@1 / pass@8 / greedy on the confirm split before and after, regression verdicts
+                            for the monitored families
+    summary  one table, plus the TensorBoard command
+
+`--smoke` shrinks every stage to a few steps (used by the tests); `--max-steps N` only shortens pre-training.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from glm_lightning.cli import build_cli
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "demo"
+STABLE = Path("lightning_logs") / "demo"
+"""Each stage's final checkpoint is also copied here as pretrain.ckpt / vision.ckpt / rl.ckpt (stable names that
+the RL studies in configs/experiments/ start from)."""
+
+SMOKE = {
+    "pretrain": ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--data.init_args.num_examples",
+                 "64", "--data.init_args.dev_per_family", "1", "--data.init_args.val_per_family", "1"],
+    "vision": ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+               "--trainer.limit_test_batches", "1"],
+    "rl": ["--trainer.max_steps", "1", "--data.init_args.prompts_per_family", "2", "--data.init_args.eval_per_family",
+           "1", "--model.init_args.group_size", "2", "--model.init_args.max_new_tokens", "8"],
+}
 
 
-def last_scalars(log_dir: str) -> dict[str, float]:
-    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: acc.Scalars(tag)[-1].value for tag in acc.Tags()["scalars"]}
+@dataclass
+class StageResult:
+    name: str
+    seconds: float = 0.0
+    checkpoint: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_stage(config: Path, extra: list[str]) -> tuple[dict[str, float], str | None, float]:
+def _scalars(results: list[dict[str, Any]] | dict[str, Any]) -> dict[str, float]:
+    rows = results if isinstance(results, list) else [results]
+    out: dict[str, float] = {}
+    for row in rows:
+        for k, v in row.items():
+            out[k] = float(v)
+    return out
+
+
+def _cli(config: str, extra: list[str]) -> Any:
+    return build_cli(["--config", str(CONFIGS / config), *extra], run=False)
+
+
+def pretrain(extra: list[str]) -> StageResult:
     t = time.perf_counter()
-    cli = build_cli(["--config", str(config), *extra], run=False)
+    cli = _cli("pretrain.yaml", extra)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    ckpt = cli.trainer.checkpoint_callback.last_model_path if cli.trainer.checkpoint_callback else None
-    return last_scalars(cli.trainer.log_dir), ckpt, time.perf_counter() - t
+    res = StageResult("pre-training", checkpoint=cli.trainer.checkpoint_callback.last_model_path or None)
+    res.metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
+    res.seconds = time.perf_counter() - t
+    return res
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m glm_lightning demo", description=__doc__)
-    p.add_argument("--max-steps", type=int, default=None, help="override the pre-training steps (smoke runs)")
+def text_dev_pass(checkpoint: str, extra: list[str]) -> dict[str, float]:
+    """Greedy dev pass of any stage's checkpoint, measured by the pre-training module's own validation."""
+    cli = _cli("pretrain.yaml", [*extra, "--model.init_args.init_weights", checkpoint, "--trainer.logger", "false",
+                                 "--trainer.callbacks", "[]", "--trainer.enable_progress_bar", "false"])
+    metrics = _scalars(cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False))
+    return {k: v for k, v in metrics.items() if k.startswith("val/dev_pass")}
+
+
+def vision(checkpoint: str, extra: list[str], pretrain_extra: list[str]) -> StageResult:
+    t = time.perf_counter()
+    cli = _cli("vision.yaml", [*extra, "--model.init_args.init_weights", checkpoint])
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    test = _scalars(cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False))
+    res = StageResult("vision", checkpoint=cli.trainer.checkpoint_callback.last_model_path or None, metrics=test)
+    res.extra["text_dev_pass_after"] = text_dev_pass(res.checkpoint, pretrain_extra) if res.checkpoint else {}
+    res.seconds = time.perf_counter() - t
+    return res
+
+
+def rl(checkpoint: str, extra: list[str]) -> StageResult:
+    t = time.perf_counter()
+    cli = _cli("rl.yaml", [*extra, "--model.init_args.init_weights", checkpoint])
+    before = _scalars(cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False))
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    after = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
+    res = StageResult("RL", checkpoint=cli.trainer.checkpoint_callback.last_model_path or None, metrics=after)
+    res.extra["before"] = before
+    res.extra["rewarded"] = list(cli.datamodule.train_families)
+    res.extra["monitored"] = list(cli.datamodule.monitor_families)
+    regression = next((cb for cb in cli.trainer.callbacks if type(cb).__name__ == "RegressionCallback"), None)
+    res.extra["regression"] = regression.history[-1] if regression is not None and regression.history else None
+    res.seconds = time.perf_counter() - t
+    return res
+
+
+def keep_copy(checkpoint: str | None, name: str) -> Path | None:
+    """Copy a checkpoint to lightning_logs/demo/<name>.ckpt atomically (a reader never sees a half-written file)."""
+    if not checkpoint:
+        return None
+    STABLE.mkdir(parents=True, exist_ok=True)
+    dest = STABLE / f"{name}.ckpt"
+    tmp = dest.with_suffix(".ckpt.tmp")
+    shutil.copyfile(checkpoint, tmp)
+    os.replace(tmp, dest)
+    return dest
+
+
+def summary(stages: list[StageResult]) -> str:
+    """The demo's closing table (plain text, one metric per line)."""
+    lines = ["", "== glm-lightning demo summary ==", f"{'stage':<14}{'metric':<44}{'value':>12}"]
+
+    def row(stage: str, metric: str, value: float | str) -> None:
+        text = value if isinstance(value, str) else f"{value:.3f}"
+        lines.append(f"{stage:<14}{metric:<44}{text:>12}")
+
+    by_name = {s.name: s for s in stages}
+    for s in stages:
+        row(s.name, "wall time (s)", f"{s.seconds:.0f}")
+    if "pre-training" in by_name:
+        m = by_name["pre-training"].metrics
+        for k in sorted(m):
+            if k.startswith("val/dev_pass") or k in ("val/loss", "val/completion_acc"):
+                row("pre-training", k, m[k])
+    if "vision" in by_name:
+        s = by_name["vision"]
+        row("vision", "test/acc (held-out digits)", s.metrics.get("test/acc", float("nan")))
+        before = by_name["pre-training"].metrics.get("val/dev_pass") if "pre-training" in by_name else None
+        after = s.extra.get("text_dev_pass_after", {}).get("val/dev_pass")
+        if after is not None:
+            change = "" if before is None else f" (was {before:.3f})"
+            row("vision", f"text val/dev_pass after vision{change}", after)
+    if "RL" in by_name:
+        s = by_name["RL"]
+        before, after = s.extra["before"], s.metrics
+        for key in ("pass@1", "pass@8", "greedy_pass"):
+            for role in ("rewarded", "monitor"):
+                name = f"val/{key}/{role}"
+                if name in before or name in after:
+                    row("RL", f"{key} {role}: before -> after",
+                        f"{before.get(name, float('nan')):.3f} -> {after.get(name, float('nan')):.3f}")
+        report = s.extra.get("regression")
+        if report:
+            for fam, r in report["families"].items():
+                if r["role"] == "monitor":
+                    row("RL", f"monitor {fam}: greedy {r['baseline_greedy']:.2f} -> {r['current_greedy']:.2f}",
+                        r["verdict"] if r["verdict"] != "no significant change" else "no sig. change")
+    lines += ["", *[f"checkpoint ({s.name}): {s.checkpoint}" for s in stages if s.checkpoint],
+              f"stable copies: {STABLE}/{{pretrain,vision,rl}}.ckpt",
+              "dashboards: tensorboard --logdir lightning_logs"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[StageResult]:
+    p = argparse.ArgumentParser(prog="python -m glm_lightning demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-steps", type=int, default=None, help="override the pre-training steps")
+    p.add_argument("--smoke", action="store_true", help="a few steps per stage (tests)")
+    p.add_argument("--stages", default="pretrain,vision,rl", help="comma-separated prefix of the chain to run")
     args = p.parse_args(argv)
+    stages_wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
+    chain = ["pretrain", "vision", "rl"]
+    if not stages_wanted or stages_wanted != chain[: len(stages_wanted)]:
+        raise SystemExit(f"--stages must be a prefix of {','.join(chain)} (each stage needs the previous checkpoint)")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    extra = [] if args.max_steps is None else ["--trainer.max_steps", str(args.max_steps),
-                                               "--trainer.val_check_interval", str(max(1, args.max_steps))]
-    scalars, ckpt, secs = run_stage(CONFIGS / "pretrain.yaml", extra)
-    print("\n== glm-lightning demo summary ==")
-    print(f"{'stage':<14}{'metric':<34}{'value':>10}")
-    print(f"{'pre-training':<14}{'wall time (s)':<34}{secs:>10.0f}")
-    for tag in sorted(scalars):
-        if tag.startswith("val/"):
-            print(f"{'pre-training':<14}{tag:<34}{scalars[tag]:>10.3f}")
-    print(f"\ncheckpoint: {ckpt}")
-    print("dashboards: tensorboard --logdir lightning_logs")
+    ex = {k: list(v) for k, v in SMOKE.items()} if args.smoke else {k: [] for k in SMOKE}
+    if args.max_steps is not None:
+        ex["pretrain"] += ["--trainer.max_steps", str(args.max_steps),
+                           "--trainer.val_check_interval", str(max(1, args.max_steps))]
+    results = [pretrain(ex["pretrain"])]
+    keep_copy(results[-1].checkpoint, "pretrain")
+    if "vision" in stages_wanted:
+        results.append(vision(results[-1].checkpoint, ex["vision"], ex["pretrain"]))
+        keep_copy(results[-1].checkpoint, "vision")
+    if "rl" in stages_wanted:
+        results.append(rl(results[-1].checkpoint, ex["rl"]))
+        keep_copy(results[-1].checkpoint, "rl")
+    print(summary(results))
+    return results

@@ -1,0 +1,57 @@
+"""`make demo`'s chain (pre-training -> vision -> RL -> summary), shrunk with --smoke: every stage runs, each stage
+starts from the previous stage's weights, and the summary carries every stage's numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm_lightning.demo import main
+
+
+def _lm_state(path: str) -> dict[str, torch.Tensor]:
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("model.")}
+
+
+def test_demo_smoke_chains_all_stages(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    results = main(["--smoke"])
+    assert [r.name for r in results] == ["pre-training", "vision", "RL"]
+    assert all(r.checkpoint and (tmp_path / r.checkpoint).is_file() for r in results)
+    pre, vis, rl = results
+    # vision trained only its encoder + the last block + final norm: frozen LM weights equal stage 1's exactly
+    a, b = _lm_state(pre.checkpoint), _lm_state(vis.checkpoint)
+    assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("model.blocks.0."))
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.startswith("model.blocks.3."))
+    assert "test/acc" in vis.metrics and "val/dev_pass" in vis.extra["text_dev_pass_after"]
+    assert "val/pass@1/rewarded" in rl.extra["before"] and "val/pass@1/rewarded" in rl.metrics
+    assert rl.extra["regression"]["families"], "regression verdicts for the monitored families"
+    for name in ("pretrain", "vision", "rl"):
+        assert (tmp_path / "lightning_logs" / "demo" / f"{name}.ckpt").is_file()
+    out = capsys.readouterr().out
+    assert "demo summary" in out and "test/acc" in out and "pass@8 rewarded" in out and "tensorboard --logdir" in out
+
+
+def test_demo_rejects_a_broken_chain():
+    with pytest.raises(SystemExit, match="prefix"):
+        main(["--stages", "vision,rl"])
+
+
+def test_rl_studies_start_from_the_demo_checkpoint(tmp_path, monkeypatch, capsys):
+    """The shipped RL studies validate (every variant instantiates, init_weights loads) once the demo has written
+    lightning_logs/demo/pretrain.ckpt."""
+    from pathlib import Path
+
+    from glm_lightning.sweep.cli import run_sweep
+
+    monkeypatch.chdir(tmp_path)
+    main(["--smoke", "--stages", "pretrain"])
+    assert (tmp_path / "lightning_logs" / "demo" / "pretrain.ckpt").is_file()
+    experiments = Path(__file__).resolve().parent.parent / "configs" / "experiments"
+    studies = sorted(experiments.glob("rl_*.yaml"))
+    assert [p.stem for p in studies] == ["rl_group_size", "rl_invalid_penalty", "rl_reward", "rl_temperature"]
+    for study in studies:
+        run_sweep(["--config", str(study), "--out", str(tmp_path / "sweeps"), "--dry-run"])
+    out = capsys.readouterr().out
+    assert out.count("python -m glm_lightning fit") >= 3 * (2 + 3 + 3 + 3)
