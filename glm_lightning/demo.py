@@ -1,7 +1,7 @@
 """`make demo`: the whole product on embedded defaults, no network; each stage's checkpoint feeds the next.
 
     stage 1  pre-training   a small model learns the classic function families (configs/demo/pretrain.yaml)
-    stage 2  vision         digit images for that model, language model mostly frozen (configs/demo/vision.yaml);
+    stage 2  vision         digit images for that model, language model frozen (configs/demo/vision.yaml);
                             afterwards the text dev pass is measured again (did vision fine-tuning cost text skill?)
     stage 3  RL             GRPO-family RL on executable tasks from the stage-2 weights (configs/demo/rl.yaml):
                             pass@1 / pass@8 / greedy on the confirm split before and after, regression verdicts
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from callbacks.regression import RegressionCallback
 from glm_lightning.cli import build_cli
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "demo"
@@ -99,9 +100,7 @@ def rl(checkpoint: str, extra: list[str]) -> StageResult:
     after = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
     res = StageResult("RL", checkpoint=cli.trainer.checkpoint_callback.last_model_path or None, metrics=after)
     res.extra["before"] = before
-    res.extra["rewarded"] = list(cli.datamodule.train_families)
-    res.extra["monitored"] = list(cli.datamodule.monitor_families)
-    regression = next((cb for cb in cli.trainer.callbacks if type(cb).__name__ == "RegressionCallback"), None)
+    regression = next((cb for cb in cli.trainer.callbacks if isinstance(cb, RegressionCallback)), None)
     res.extra["regression"] = regression.history[-1] if regression is not None and regression.history else None
     res.seconds = time.perf_counter() - t
     return res
