@@ -6,7 +6,10 @@ test process. Problems are grouped by theme, one module each; ALL is the whole c
 
 from __future__ import annotations
 
-from . import arithmetic, classes, closures, containers, generators, recursion, sequences, strings
+from . import arithmetic, classes, closures, containers, generators, graphs, recursion, sequences, strings
 from .problem import Problem
 
-ALL: list[Problem] = [*arithmetic.PROBLEMS, *strings.PROBLEMS, *sequences.PROBLEMS, *recursion.PROBLEMS, *classes.PROBLEMS, *generators.PROBLEMS, *closures.PROBLEMS, *containers.PROBLEMS]
+ALL: list[Problem] = [
+    *arithmetic.PROBLEMS, *strings.PROBLEMS, *sequences.PROBLEMS, *recursion.PROBLEMS, *classes.PROBLEMS,
+    *generators.PROBLEMS, *closures.PROBLEMS, *containers.PROBLEMS, *graphs.PROBLEMS,
+]

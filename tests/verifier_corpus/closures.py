@@ -258,7 +258,8 @@ PROBLEMS = [
             accs = [make_accumulator() for _ in streams]
             return [[acc(x) for x in stream] for acc, stream in zip(accs, streams)]
         """,
-        [(([[1, 2, 3], [10]],), [[1, 3, 6], [10]]), (([],), []), (([[]],), [[]]), (([[5, -5], [1, 1]],), [[5, 0], [1, 2]])],
+        [(([[1, 2, 3], [10]],), [[1, 3, 6], [10]]), (([],), []), (([[]],), [[]]),
+         (([[5, -5], [1, 1]],), [[5, 0], [1, 2]])],
         ("    total = 0\n", "    total = 1\n")),
     problem("retry_until", r"""
         def make_flaky(failures):

@@ -209,7 +209,8 @@ PROBLEMS = [
             odd = sum(1 for n in Counter(s).values() if n % 2)
             return odd <= 1
         """,
-        [(("civic",), True), (("ivicc",), True), (("hello",), False), (("",), True), (("aabbc",), True), (("ab",), False)],
+        [(("civic",), True), (("ivicc",), True), (("hello",), False), (("",), True),
+         (("aabbc",), True), (("ab",), False)],
         ("odd <= 1", "odd == 0")),
     problem("last_n_unique", r"""
         from collections import deque

@@ -242,7 +242,8 @@ PROBLEMS = [
             a, b = tee(xs)
             return [list(filter(pred, a)), list(filterfalse(pred, b))]
         """,
-        [(([1, 2, 3, 4], "even"), [[2, 4], [1, 3]]), (([], "even"), [[], []]), (([-1, 0, 1], "positive"), [[1], [-1, 0]]),
+        [(([1, 2, 3, 4], "even"), [[2, 4], [1, 3]]), (([], "even"), [[], []]),
+         (([-1, 0, 1], "positive"), [[1], [-1, 0]]),
          (([0], "even"), [[0], []])],
         ("x > 0", "x >= 0")),
     problem("power_table", r"""
@@ -268,7 +269,8 @@ PROBLEMS = [
         def take_every(xs, step, limit):
             return list(islice((x * x for x in xs), 0, None, step))[:limit]
         """,
-        [(([1, 2, 3, 4, 5], 2, 10), [1, 9, 25]), (([], 1, 3), []), (([3, 4], 1, 1), [9]), (([1, 2, 3, 4], 3, 5), [1, 16]),
+        [(([1, 2, 3, 4, 5], 2, 10), [1, 9, 25]), (([], 1, 3), []), (([3, 4], 1, 1), [9]),
+         (([1, 2, 3, 4], 3, 5), [1, 16]),
          (([2], 5, 0), [])],
         ("islice((x * x for x in xs), 0, None, step)", "islice((x * x for x in xs), 1, None, step)")),
     problem("compress_flags", r"""
