@@ -16,6 +16,7 @@ import pytest
 
 from glm_lightning.verifier import Verifier
 from verifier_corpus import ALL, Problem
+from verifier_corpus.problem import problem
 
 MIN_PROBLEMS = 150
 MIN_TESTS = 4
@@ -109,6 +110,15 @@ def test_feature_scanner_detects_each_construct():
     assert features("class A:\n    pass\n") == {"class"}
     assert features("def f(xs):\n    return [x for x in xs]\n") == {"comprehension"}
     assert features("import heapq\nfrom collections import deque\n") == {"heapq", "collections"}
+
+
+def test_mutant_must_be_exactly_one_edit():
+    """A bug text that is absent (mutant == reference) or ambiguous (occurs twice) is a broken corpus entry."""
+    p = problem("f", "def f(x):\n    return x + x\n", [((1,), 2)] * 4, ("x + x", "x * x"))
+    assert p.mutant == "def f(x):\n    return x * x\n"
+    for bug in (("x - x", "x"), ("x", "y")):
+        with pytest.raises(ValueError):
+            _ = problem("f", p.source, p.tests, bug).mutant
 
 
 def test_corpus_size_names_and_tests():
