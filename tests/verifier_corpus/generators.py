@@ -7,6 +7,8 @@ import itertools
 from . import oracles
 from .problem import problem
 
+TREE = (5, (3, (2, None, None), (4, None, None)), (7, None, (8, None, None)))  # in-order: 2 3 4 5 7 8
+
 PROBLEMS = [
     problem("first_fibs", r"""
         from itertools import islice
@@ -283,4 +285,57 @@ PROBLEMS = [
         [((["a", "b", "c"], "yny"), ["a", "c"]), (([], ""), []), (([1, 2], "nn"), []), (([1, 2, 3], "y"), [1]),
          (([4, 5], "Yy"), [5])],
         ('f == "y"', 'f.lower() == "y"')),
+    problem("tokenize", r"""
+        import re
+
+
+        def iter_tokens(text):
+            for m in re.finditer(r"\d+|[A-Za-z_]\w*|\S", text):
+                tok = m.group()
+                if tok.isdigit():
+                    yield ("num", int(tok))
+                elif tok[0].isalpha() or tok[0] == "_":
+                    yield ("name", tok)
+                else:
+                    yield ("op", tok)
+
+
+        def tokenize(text):
+            return list(iter_tokens(text))
+        """,
+        [(("x = 42",), [("name", "x"), ("op", "="), ("num", 42)]), (("",), []),
+         (("a+b1",), [("name", "a"), ("op", "+"), ("name", "b1")]), (("  7 ",), [("num", 7)]),
+         (("_x*(2)",), [("name", "_x"), ("op", "*"), ("op", "("), ("num", 2), ("op", ")")])],
+        (r"\d+|[A-Za-z_]\w*|\S", r"\d|[A-Za-z_]\w*|\S")),
+    problem("bst_kth_smallest", r"""
+        def inorder(node):
+            if node is not None:
+                value, left, right = node
+                yield from inorder(left)
+                yield value
+                yield from inorder(right)
+
+
+        def bst_kth_smallest(root, k):
+            for i, value in enumerate(inorder(root), start=1):
+                if i == k:
+                    return value
+            return None
+        """,
+        [((TREE, 1), 2), ((TREE, 4), 5), ((TREE, 6), 8), ((TREE, 7), None), ((None, 1), None)],
+        ("start=1", "start=0")),
+    problem("longest_collatz", r"""
+        def collatz(n):
+            while True:
+                yield n
+                if n == 1:
+                    return
+                n = n // 2 if n % 2 == 0 else 3 * n + 1
+
+
+        def longest_collatz(limit):
+            return max(range(1, limit + 1), key=lambda s: sum(1 for _ in collatz(s)))
+        """,
+        [((n,), oracles.longest_collatz(n)) for n in (1, 2, 3, 10, 20, 100)],
+        ("range(1, limit + 1)", "range(1, limit)")),
 ]

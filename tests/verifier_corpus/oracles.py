@@ -107,3 +107,18 @@ def trapped_water(h: list[int]) -> int:
 
 def overlapping_count(text: str, sub: str) -> int:
     return sum(text.startswith(sub, i) for i in range(len(text)))
+
+
+def collatz_length(n: int) -> int:
+    """Number of terms in the Collatz sequence from n down to 1, both included."""
+    terms = 1
+    while n != 1:
+        n = 3 * n + 1 if n % 2 else n // 2
+        terms += 1
+    return terms
+
+
+def longest_collatz(limit: int) -> int:
+    """The smallest start in 1..limit with the longest sequence."""
+    lengths = {s: collatz_length(s) for s in range(1, limit + 1)}
+    return min(s for s in lengths if lengths[s] == max(lengths.values()))
