@@ -6,6 +6,8 @@
 - `bootstrap_ci` / `paired_bootstrap_ci`: percentile bootstrap of a statistic / of paired differences (b - a).
 - `sign_flip_permutation_test`: paired test on per-seed differences; exact over all 2^n sign patterns for n <= 20
   (the smallest attainable two-sided p is 2 / 2^n, e.g. 0.00195 for 10 seeds, 0.0625 for 5).
+- `sign_flip_ci`: the interval of shifts that test does not reject (Hartigan's subset means), so the interval
+  excludes 0 exactly when the test gives p < alpha; unbounded with 5 or fewer pairs.
 - `holm`: Holm step-down adjustment across several comparisons.
 - `verdict_text`: one plain-language sentence from a difference, its CI and p.
 
@@ -23,7 +25,8 @@ from scipy import stats as sps
 
 __all__ = [
     "mean_ci", "wilson_interval", "mcnemar_exact", "holm", "bootstrap_ci", "paired_bootstrap_ci",
-    "sign_flip_permutation_test", "min_attainable_p", "format_p", "verdict_text",
+    "sign_flip_permutation_test", "sign_flip_ci", "min_attainable_p", "format_p", "underpowered_text",
+    "verdict_text",
 ]
 
 EXACT_SIGN_FLIP_MAX_N = 20
@@ -182,6 +185,40 @@ def sign_flip_permutation_test(diffs: Sequence[float], n_perm: int = 100000, see
     return (1 + hits) / (1 + n_perm)
 
 
+def _subset_sizes(n: int) -> np.ndarray:
+    """Size of every subset, in the same order as `_subset_sums`."""
+    sizes = np.zeros(1, dtype=np.int64)
+    for _ in range(n):
+        sizes = np.concatenate([sizes, sizes + 1])
+    return sizes
+
+
+def sign_flip_ci(diffs: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Confidence interval for the mean shift that is the inversion of `sign_flip_permutation_test`.
+
+    Why: a bootstrap interval can exclude 0 while the exact test says p = 0.5 (2 seeds); this one cannot. The test of
+    H0 "shift = t" flips the signs of d - t; its one-sided p is `(1 + #{non-empty S: mean(d_S) <= t}) / 2^n`, so the
+    accepted shifts lie between the k-th smallest and k-th largest of the 2^n - 1 subset means (Hartigan 1969),
+    with k = ceil(alpha 2^(n-1)) - 1, alpha = 1 - confidence. The interval excludes 0 exactly when the two-sided
+    test gives p < alpha; its coverage is 1 - 2k/2^n >= confidence when the differences are symmetric about the
+    shift. k = 0 (n <= 5 at 95%) gives (-inf, inf): no finite interval, only the exact test. For n > 20 (where the
+    test is Monte Carlo) the Student-t interval is returned instead.
+    """
+    _check_confidence(confidence)
+    d = _as_1d(diffs, "diffs")
+    n = d.size
+    if n > EXACT_SIGN_FLIP_MAX_N:
+        _, lo, hi = mean_ci(d, confidence)
+        return lo, hi
+    k = max(0, math.ceil((1 - confidence) * 2 ** (n - 1)) - 1)
+    if k == 0:
+        return -math.inf, math.inf
+    sums, sizes = _subset_sums(d)[1:], _subset_sizes(n)[1:]
+    sums[np.abs(sums) <= 1e-9 * float(np.abs(d).sum())] = 0.0  # exact zeros, as the test's tie tolerance
+    means = np.sort(sums / sizes)
+    return float(means[k - 1]), float(means[-k])
+
+
 def min_attainable_p(n: int) -> float:
     """Smallest two-sided p the exact sign-flip test can give with n pairs: 2 / 2^n (1.0 for n = 0)."""
     return 1.0 if n <= 0 else min(1.0, 2.0 / 2 ** n)
@@ -204,33 +241,56 @@ def _fmt(x: float, digits: int, sign: bool = False) -> str:
     return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
 
 
+def underpowered_text(n: int, alpha: float = 0.05, n_tests: int = 1, n_label: str = "seeds") -> str | None:
+    """Why no difference can ever be significant with n pairs (and Holm across n_tests comparisons), else None.
+
+    The exact sign-flip test's smallest p is 2 / 2^n, and Holm multiplies the smallest p by n_tests.
+    """
+    floor = min_attainable_p(n) * max(1, n_tests)
+    if floor < alpha:
+        return None
+    need = next(k for k in range(1, 64) if min_attainable_p(k) * max(1, n_tests) < alpha)
+    held = f" ({n_tests} Holm-adjusted comparisons)" if n_tests > 1 else ""
+    return (f"underpowered: with {n} {n_label}{held} the smallest attainable p is {format_p(min(1.0, floor))}, so no "
+            f"difference can reach p < {alpha:g}; at least {need} {n_label} are needed")
+
+
 def verdict_text(diff: float, lo: float, hi: float, p: float, n: int, *, p_adjusted: float | None = None,
                  variant: str = "variant", control: str = "control", higher_is_better: bool = True,
                  alpha: float = 0.05, confidence: float = 0.95, scale: float = 1.0, unit: str = "",
-                 digits: int = 1, n_label: str = "seeds", adjustment: str = "Holm") -> str:
+                 digits: int = 1, n_label: str = "seeds", adjustment: str = "Holm", mde: float | None = None,
+                 n_tests: int = 1) -> str:
     """A plain-language verdict for `variant − control` = `diff` with interval [lo, hi] and p-value p over n pairs.
 
-    The decision uses `p_adjusted` when given (e.g. Holm across the study's comparisons), else p. Values are shown
-    multiplied by `scale` (e.g. 100 to show accuracies as points) with `unit` appended. Examples:
+    The decision uses `p_adjusted` when given (e.g. Holm across the study's `n_tests` comparisons), else p. Values
+    are shown multiplied by `scale` (e.g. 100 to show accuracies as points) with `unit` appended. A null result
+    states what the study could have seen: "no effect larger than ±mde" (`mde` = minimum detectable effect at 80%
+    power, `glm_lightning.power`) or "underpowered" when n is too small for the exact test to ever reach alpha.
+    Examples:
 
-    - `no significant difference at n=10 seeds (p=0.43, Holm-adjusted)`
+    - `no significant difference at n=10 seeds (p=0.43, Holm-adjusted); no effect larger than ±2.1 points (MDE at
+      80% power)`
     - `variant beats control by +3.1 points [95% CI 1.2, 5.0], p=0.002`
     - `variant is worse than control by -2.0 points [95% CI -3.1, -0.9], p=0.004 (Holm-adjusted)`
-
-    When n is too small for the exact sign-flip test to ever reach alpha, the verdict says so.
+    - `no significant difference at n=2 seeds (p=0.50); underpowered: with 2 seeds the smallest attainable p is
+      0.50, ...`
     """
     p_used = p if p_adjusted is None else p_adjusted
     adj = "" if p_adjusted is None else f", {adjustment}-adjusted"
+    unit_s = f" {unit}" if unit else ""
     if n < 1 or p_used is None or math.isnan(p_used):
         return f"not testable: {n} paired {n_label}"
     if p_used >= alpha:
         text = f"no significant difference at n={n} {n_label} (p={format_p(p_used)}{adj})"
-        floor = min_attainable_p(n)
-        if floor >= alpha:
-            text += f"; with {n} {n_label} the smallest attainable p is {format_p(floor)}, so add {n_label}"
+        weak = underpowered_text(n, alpha, n_tests, n_label)
+        if weak is not None:
+            return f"{text}; {weak}"
+        if mde is not None and math.isfinite(mde) and mde > 0:
+            text += f"; no effect larger than ±{_fmt(mde * scale, digits)}{unit_s} (MDE at 80% power)"
+        elif mde is not None and math.isinf(mde):
+            text += "; underpowered: no effect size reaches 80% power at this n"
         return text
     better = (diff > 0) == higher_is_better
-    unit_s = f" {unit}" if unit else ""
     amount = f"{_fmt(diff * scale, digits, sign=True)}{unit_s}"
     ci = f"[{confidence:.0%} CI {_fmt(lo * scale, digits)}, {_fmt(hi * scale, digits)}]"
     verb = "beats" if better else "is worse than"

@@ -1,9 +1,12 @@
 """Aggregating a study: per-variant mean and t-interval across seeds, and paired comparisons against the control.
 
 For every metric and every non-control variant, the comparison uses only the seeds where both arms finished:
-per-seed differences d = variant - control, their mean, a paired percentile bootstrap interval, the exact sign-flip
-permutation p (all 2^n patterns for n <= 20), and Holm's adjustment across the study's comparisons of that metric
-(the primary metric's family is the confirmatory one). Verdicts are plain sentences (`glm_lightning.stats`).
+per-seed differences d = variant - control, their mean, the exact sign-flip permutation p (all 2^n patterns for
+n <= 20), the interval that inverts that test (so the interval excludes 0 exactly when p < alpha; none with <= 5
+seeds), Holm's adjustment across the study's comparisons of that metric (the primary metric's family is the
+confirmatory one), and the minimum detectable effect at 80% power for that n and the observed SD of d
+(`glm_lightning.power`). Verdicts are plain sentences (`glm_lightning.stats`). Rate metrics (accuracies, pass rates:
+every value in [0, 1]) have their per-variant intervals and curve bands clipped to [0, 1].
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glm_lightning.stats import holm, mean_ci, paired_bootstrap_ci, sign_flip_permutation_test, verdict_text
+from glm_lightning.power import POWER, sign_flip_mde
+from glm_lightning.stats import holm, mean_ci, min_attainable_p, sign_flip_ci, sign_flip_permutation_test, verdict_text
 from glm_lightning.sweep.events import read_scalars
 from glm_lightning.sweep.runner import RunResult
 from glm_lightning.sweep.study import Metric, Study
@@ -47,10 +51,18 @@ class Comparison:
     wins: int
     losses: int
     verdict: str
+    sd_diff: float = math.nan  # SD of the per-seed differences (ddof=1)
+    mde: float = math.nan  # minimum detectable |mean difference| at 80% power (inf: the test can never reject)
+    alpha_mde: float = 0.05  # the alpha the MDE is for: alpha / (number of Holm-adjusted comparisons)
 
     @property
     def n(self) -> int:
         return len(self.seeds)
+
+    @property
+    def median_diff(self) -> float:
+        """Median of the per-seed paired differences (variant - control), not a difference of medians."""
+        return float(np.median(self.diffs)) if self.diffs else math.nan
 
 
 @dataclass
@@ -68,17 +80,52 @@ def per_seed_values(study: Study, results: Sequence[RunResult], tag: str) -> dic
     return out
 
 
-def _summary(name: str, values: dict[int, float], confidence: float) -> VariantSummary:
+RATE_WORDS = ("acc", "pass", "rate", "exact", "frac")
+
+
+def metric_bounds(metric: Metric, observed: Sequence[float] = ()) -> tuple[float, float] | None:
+    """(0, 1) for a rate metric (an accuracy or pass rate: the tag names one and every observed value lies in
+    [0, 1]), so its intervals can be clipped to what the metric can take; None for unbounded metrics (losses)."""
+    name = metric.tag.lower()
+    if not any(w in name for w in RATE_WORDS) or "loss" in name:
+        return None
+    if any(not 0.0 <= v <= 1.0 for v in observed):
+        return None
+    return 0.0, 1.0
+
+
+def clip(value: float, bounds: tuple[float, float] | None) -> float:
+    """value limited to bounds (NaN and None bounds pass through)."""
+    if bounds is None or math.isnan(value):
+        return value
+    return min(max(value, bounds[0]), bounds[1])
+
+
+def _summary(name: str, values: dict[int, float], confidence: float,
+             bounds: tuple[float, float] | None = None) -> VariantSummary:
     if not values:
         return VariantSummary(name, {}, math.nan, math.nan, math.nan)
     m, lo, hi = mean_ci(list(values.values()), confidence)
-    return VariantSummary(name, dict(sorted(values.items())), m, lo, hi)
+    return VariantSummary(name, dict(sorted(values.items())), m, clip(lo, bounds), clip(hi, bounds))
+
+
+def _mde(d: np.ndarray, alpha: float) -> tuple[float, float]:
+    """(SD of d, MDE at 80% power in the metric's units): inf when n is too small for the exact test to ever give
+    p < alpha, NaN when the SD is undefined (1 seed) or 0."""
+    sd = float(d.std(ddof=1)) if d.size >= 2 else math.nan
+    if min_attainable_p(d.size) >= alpha:
+        return sd, math.inf
+    return sd, (sign_flip_mde(d.size, sd, alpha, POWER) if sd > 0 else math.nan)
 
 
 def analyse_metric(study: Study, metric: Metric, results: Sequence[RunResult], n_boot: int = 10000,
                    n_perm: int = 100000, confidence: float = 0.95, alpha: float = 0.05) -> MetricAnalysis:
+    """Per-variant summaries and paired comparisons for one metric. `n_boot` is accepted for callers that still pass
+    it; the comparison interval is now the exact sign-flip inversion, which needs no resampling."""
+    del n_boot
     values = per_seed_values(study, results, metric.tag)
-    summaries = {name: _summary(name, vals, confidence) for name, vals in values.items()}
+    bounds = metric_bounds(metric, [v for vals in values.values() for v in vals.values()])
+    summaries = {name: _summary(name, vals, confidence, bounds) for name, vals in values.items()}
     control = values[study.control]
     raw: list[tuple[str, list[int], np.ndarray, float, float, float, float]] = []
     for variant in study.variants:
@@ -89,25 +136,24 @@ def analyse_metric(study: Study, metric: Metric, results: Sequence[RunResult], n
         if len(seeds) == 0:
             raw.append((variant.name, seeds, d, math.nan, math.nan, math.nan, math.nan))
             continue
-        if len(seeds) >= 2:
-            lo, hi = paired_bootstrap_ci([control[s] for s in seeds], [values[variant.name][s] for s in seeds],
-                                         n_boot=n_boot, confidence=confidence)
-        else:
-            lo = hi = math.nan
+        lo, hi = sign_flip_ci(d, confidence)
         p = sign_flip_permutation_test(d, n_perm=n_perm)
         raw.append((variant.name, seeds, d, float(d.mean()), lo, hi, p))
     adjusted = holm([r[6] for r in raw]) if raw else []
+    n_tests = sum(1 for r in raw if not math.isnan(r[6]))
+    alpha_mde = alpha / max(1, n_tests)
     comparisons = []
     for (name, seeds, d, mean_d, lo, hi, p), p_adj in zip(raw, adjusted):
         sign = 1 if metric.higher_is_better else -1
         wins = int(np.sum(sign * d > 0))
         losses = int(np.sum(sign * d < 0))
+        sd, mde = _mde(d, alpha_mde) if len(seeds) else (math.nan, math.nan)
         verdict = verdict_text(mean_d, lo, hi, p, n=len(seeds), p_adjusted=p_adj if len(raw) > 1 else None,
                                variant=name, control=study.control, higher_is_better=metric.higher_is_better,
                                alpha=alpha, confidence=confidence, scale=metric.scale, unit=metric.unit,
-                               digits=1 if metric.scale >= 10 else 3)
+                               digits=1 if metric.scale >= 10 else 3, mde=mde, n_tests=max(1, n_tests))
         comparisons.append(Comparison(name, study.control, seeds, d.tolist(), mean_d, lo, hi, p, p_adj, wins,
-                                      losses, verdict))
+                                      losses, verdict, sd, mde, alpha_mde))
     return MetricAnalysis(metric, summaries, comparisons)
 
 
@@ -132,9 +178,10 @@ def load_curves(study: Study, results: Sequence[RunResult], tags: Sequence[str])
     return curves
 
 
-def curve_band(per_seed: dict[int, list[tuple[int, float]]], confidence: float = 0.95
-               ) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Steps logged by every seed, with the mean and t-interval across seeds at each step (no band for 1 seed)."""
+def curve_band(per_seed: dict[int, list[tuple[int, float]]], confidence: float = 0.95,
+               bounds: tuple[float, float] | None = None) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps logged by every seed, with the mean and t-interval across seeds at each step (no band for 1 seed),
+    the band clipped to `bounds` (e.g. (0, 1) for an accuracy: a t-interval near 100% can pass it)."""
     if not per_seed:
         return [], [], [], []
     common = set.intersection(*(set(s for s, _ in pts) for pts in per_seed.values()))
@@ -144,6 +191,6 @@ def curve_band(per_seed: dict[int, list[tuple[int, float]]], confidence: float =
     for step in steps:
         m, lo, hi = mean_ci([d[step] for d in lookup], confidence)
         means.append(m)
-        los.append(m if math.isnan(lo) else lo)
-        his.append(m if math.isnan(hi) else hi)
+        los.append(m if math.isnan(lo) else clip(lo, bounds))
+        his.append(m if math.isnan(hi) else clip(hi, bounds))
     return steps, means, los, his

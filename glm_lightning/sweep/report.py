@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import math
 import shutil
+import statistics
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from glm_lightning.stats import EXACT_SIGN_FLIP_MAX_N, format_p, min_attainable_p
-from glm_lightning.sweep.analysis import Curves, MetricAnalysis, curve_band
+from glm_lightning.power import POWER
+from glm_lightning.stats import EXACT_SIGN_FLIP_MAX_N, format_p, min_attainable_p, underpowered_text
+from glm_lightning.sweep.analysis import Comparison, Curves, MetricAnalysis, curve_band, metric_bounds
 from glm_lightning.sweep.runner import RunResult
 from glm_lightning.sweep.study import REPO_ROOT, Metric, Study, overrides_to_args
 
@@ -30,7 +32,26 @@ def _fmt(x: float, metric: Metric, sign: bool = False) -> str:
 def _ci(lo: float, hi: float, metric: Metric) -> str:
     if math.isnan(lo) or math.isnan(hi):
         return "n/a"
+    if math.isinf(lo) or math.isinf(hi):
+        return "none (exact test only)"
     return f"[{_fmt(lo, metric)}, {_fmt(hi, metric)}]"
+
+
+def _mde_cell(c: Comparison, metric: Metric) -> str:
+    """The minimum detectable effect in the metric's display units, or why there is none."""
+    if math.isinf(c.mde):
+        return "none: underpowered"
+    if math.isnan(c.mde):
+        return "n/a"
+    return "±" + _fmt(c.mde, metric)
+
+
+def _range_note(metric: Metric, a: MetricAnalysis) -> str:
+    values = [v for s in a.summaries.values() for v in s.values.values()]
+    bounds = metric_bounds(metric, values)
+    if bounds is None:
+        return ""
+    return f", clipped to [{bounds[0] * metric.scale:g}, {bounds[1] * metric.scale:g}]"
 
 
 def git_revision() -> str:
@@ -61,8 +82,10 @@ def plot_curves(study: Study, curves: Curves, tags: Sequence[str], path: Path, c
     metric_of = {m.tag: m for m in study.metrics}
     for ax, tag in zip(axes, tags):
         scale = metric_of[tag].scale if tag in metric_of else 1.0
+        observed = [v for var in study.variants for pts in curves[var.name].get(tag, {}).values() for _, v in pts]
+        bounds = metric_bounds(metric_of[tag], observed) if tag in metric_of else None
         for i, variant in enumerate(study.variants):
-            steps, mean, lo, hi = curve_band(curves[variant.name].get(tag, {}), confidence)
+            steps, mean, lo, hi = curve_band(curves[variant.name].get(tag, {}), confidence, bounds)
             if not steps:
                 continue
             n = len(curves[variant.name][tag])
@@ -76,7 +99,7 @@ def plot_curves(study: Study, curves: Curves, tags: Sequence[str], path: Path, c
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{study.name}: mean across seeds, {confidence:.0%} t-interval band")
+    fig.suptitle(f"{study.name}: mean across seeds, {confidence:.0%} t-interval band (rates clipped to their range)")
     fig.savefig(path, dpi=110)
     return path
 
@@ -146,8 +169,9 @@ def _metric_section(study: Study, a: MetricAnalysis, primary: bool) -> list[str]
     shown = f"; shown as {m.unit or 'value'} = value x {m.scale:g}" if m.scale != 1 else ""
     lines = [f"## {'Primary' if primary else 'Secondary'} metric: `{m.tag}` "
              f"({'higher' if m.higher_is_better else 'lower'} is better{shown})", ""]
-    lines += ["| variant | n | mean | 95% CI | diff vs control | 95% CI (paired bootstrap) | p (sign-flip) | Holm p "
-              "| seeds better | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| variant | n | mean across seeds | 95% CI (t{_range_note(m, a)}) | mean paired diff vs control "
+              f"| 95% CI (inverted sign-flip test) | p (sign-flip) | Holm p | MDE ({POWER:.0%} power) | seeds better "
+              f"| verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     comp_of = {c.variant: c for c in a.comparisons}
     for variant in study.variants:
         s = a.summaries[variant.name]
@@ -155,13 +179,36 @@ def _metric_section(study: Study, a: MetricAnalysis, primary: bool) -> list[str]
                _fmt(s.mean, m), _ci(s.lo, s.hi, m)]
         c = comp_of.get(variant.name)
         if c is None:
-            row += ["—"] * 6
+            row += ["—"] * 7
         else:
             row += [_fmt(c.mean_diff, m, sign=True), _ci(c.lo, c.hi, m), format_p(c.p), format_p(c.p_holm),
-                    f"{c.wins}/{c.n}", c.verdict]
+                    _mde_cell(c, m), f"{c.wins}/{c.n}", c.verdict]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     return lines
+
+
+def _power_lines(study: Study, a: MetricAnalysis) -> list[str]:
+    """What this study could detect: the MDE of each comparison of the primary metric, or why it has none."""
+    m, comps = a.metric, a.comparisons
+    if not comps:
+        return []
+    unit = f" {m.unit}" if m.unit else ""
+    n_tests = len([c for c in comps if not math.isnan(c.p)])
+    lines = [f"**Power** (exact sign-flip test, two-sided alpha 0.05"
+             + (f", Holm across {n_tests} comparisons: alpha/{n_tests} for the MDE" if n_tests > 1 else "") + "):", ""]
+    for c in comps:
+        weak = underpowered_text(c.n, 0.05, max(1, n_tests))
+        if weak is not None:
+            lines.append(f"- {c.variant} vs {c.control}: {weak}.")
+        elif math.isnan(c.mde):
+            lines.append(f"- {c.variant} vs {c.control}: MDE not computable (n={c.n}, SD of the paired differences "
+                         f"{_fmt(c.sd_diff, m)}).")
+        else:
+            lines.append(f"- {c.variant} vs {c.control}: with n={c.n} paired seeds the minimum detectable effect at "
+                         f"{POWER:.0%} power is ±{_fmt(c.mde, m)}{unit} ({c.mde / c.sd_diff:.2f} x the SD of the "
+                         f"paired differences, {_fmt(c.sd_diff, m)}{unit}).")
+    return lines + [""]
 
 
 def _per_seed_table(study: Study, a: MetricAnalysis) -> list[str]:
@@ -184,6 +231,8 @@ def _per_seed_table(study: Study, a: MetricAnalysis) -> list[str]:
 def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequence[RunResult],
                  charts: Sequence[Path], out_dir: Path, reproduce: str, n_boot: int, elapsed_s: float | None = None,
                  workers: int | None = None) -> Path:
+    """`<out_dir>/REPORT.md`. `n_boot` is kept for the CLI's signature; the report no longer bootstraps."""
+    del n_boot
     primary = analyses[0]
     ok = [r for r in results if r.ok]
     failed = [r for r in results if r.status == "failed"]
@@ -196,7 +245,7 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
         lines.append(f"- {c.verdict}")
     if not primary.comparisons:
         lines.append("- no comparison could be made")
-    lines += [""]
+    lines += [""] + _power_lines(study, primary)
 
     lines += ["## Setup", "",
               f"- study file: `{_rel(study.path)}`; base config: `{_rel(study.base)}`",
@@ -211,8 +260,9 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
     walls = [r.wall_s for r in ok if r.wall_s]
     if walls:
         took = f"; this invocation took {elapsed_s / 60:.1f} min" if elapsed_s else ""
-        lines.append(f"- time per run: median {sorted(walls)[len(walls) // 2]:.0f} s (min {min(walls):.0f}, "
-                     f"max {max(walls):.0f}){took}" + (f" with {workers} workers" if workers else ""))
+        lines.append(f"- wall time per run: median across the {len(walls)} finished runs "
+                     f"{statistics.median(walls):.0f} s (min {min(walls):.0f}, max {max(walls):.0f}){took}"
+                     + (f" with {workers} workers" if workers else ""))
     if study.budget:
         lines.append(f"- budget: {study.budget}")
     lines += [f"- code: git {git_revision()}; report written {time.strftime('%Y-%m-%d %H:%M')}", ""]
@@ -233,14 +283,26 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
     n_pairs = max((c.n for c in primary.comparisons), default=0)
     lines += ["## Method", "",
               "- Final value = the last logged value of each TensorBoard scalar tag in each run.",
-              "- Per variant: mean across seeds with a Student-t 95% interval.",
-              f"- Paired comparison against the control on matched seeds: per-seed difference (variant - control), "
-              f"percentile bootstrap interval of its mean ({n_boot:,} resamples, seed 0), two-sided sign-flip "
-              f"permutation test (exact over all 2^n patterns when n <= {EXACT_SIGN_FLIP_MAX_N}; with n = {n_pairs} "
-              f"the smallest attainable p is {format_p(min_attainable_p(n_pairs))}).",
+              "- Per variant: mean across seeds with a Student-t 95% interval; for rates (accuracies, pass rates) "
+              "the interval and the chart bands are clipped to the metric's range [0, 1] (x scale).",
+              "- Paired comparison against the control on matched seeds: per-seed difference d = variant - control "
+              "and its mean (a median, where shown, is the median of these paired differences). Two-sided exact "
+              f"sign-flip permutation test (all 2^n sign patterns when n <= {EXACT_SIGN_FLIP_MAX_N}; with n = "
+              f"{n_pairs} the smallest attainable p is {format_p(min_attainable_p(n_pairs))}).",
+              "- The 95% CI of the mean difference inverts that test (the shifts t that the test of d - t does not "
+              "reject: Hartigan's subset-mean interval), so it excludes 0 exactly when p < 0.05; with 5 or fewer "
+              "seeds no shift is ever rejected and only the exact test is shown. (A bootstrap interval can exclude 0 "
+              "at 2 seeds while the exact test gives p = 0.5; this one cannot.)",
               "- Holm's step-down adjustment across the comparisons of each metric; a verdict calls a difference "
               "only when the (Holm-adjusted, if more than one comparison) p is below 0.05. Secondary metrics are "
               "exploratory.",
+              f"- Minimum detectable effect (MDE): the smallest true mean difference the test detects with "
+              f"{POWER:.0%} probability at this n, at alpha = 0.05 / (number of comparisons) (Holm's first step), "
+              "for normal differences with the observed SD: exact for 6 seeds (the test then rejects only when all "
+              "differences share a sign), the paired-t power otherwise (the exact test's power is about 0.76-0.80 "
+              "there at 7-16 seeds, so the MDE is slightly optimistic at 7-10 seeds). A null verdict reads "
+              "\"no effect larger than ±MDE\", or \"underpowered\" when n is too small for p < 0.05 to be possible. "
+              "The SD is estimated from the same runs, so the MDE is itself approximate.",
               ""]
 
     if failed or cancelled:
