@@ -8,7 +8,7 @@ from scipy import stats as sps
 
 from glm_lightning.stats import (
     bootstrap_ci, format_p, holm, mcnemar_exact, mean_ci, min_attainable_p, paired_bootstrap_ci,
-    sign_flip_permutation_test, verdict_text, wilson_interval,
+    sign_flip_ci, sign_flip_permutation_test, underpowered_text, verdict_text, wilson_interval,
 )
 
 
@@ -163,3 +163,69 @@ def test_verdict_formats():
     assert "smallest attainable p is 0.062" in verdict_text(0.1, 0.05, 0.15, 0.0625, n=5)
     assert "borderline" in verdict_text(0.01, -0.001, 0.02, 0.01, n=10)
     assert format_p(3.052e-5) == "3.1e-05" and format_p(0.00195) == "0.002" and format_p(0.2148) == "0.21"
+
+
+# --- the interval that inverts the sign-flip test ---------------------------------------------------------------
+def test_sign_flip_ci_agrees_with_the_test_on_random_studies():
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        n = int(rng.integers(2, 13))
+        d = np.round(rng.normal(rng.normal(0, 1), 1, size=n), int(rng.integers(0, 3)))  # rounding makes ties
+        lo, hi = sign_flip_ci(d)
+        p = sign_flip_permutation_test(d)
+        assert (p < 0.05) == (not lo <= 0 <= hi), (d.tolist(), lo, hi, p)
+        assert lo <= d.mean() <= hi
+
+
+def test_sign_flip_ci_endpoints_are_where_the_test_starts_rejecting():
+    d = np.array([4.1, -0.7, 2.3, 5.0, 1.2, 3.3, -1.5, 2.8, 0.4, 3.9])
+    lo, hi = sign_flip_ci(d)
+    eps = 1e-6
+    # brute force: the shifted test accepts just inside both ends and rejects just outside
+    assert sign_flip_permutation_test(d - (lo + eps)) >= 0.05 > sign_flip_permutation_test(d - (lo - eps))
+    assert sign_flip_permutation_test(d - (hi - eps)) >= 0.05 > sign_flip_permutation_test(d - (hi + eps))
+
+
+def test_sign_flip_ci_small_n():
+    # 2 seeds that agree: a bootstrap interval would be [min, max] and exclude 0, but p = 0.5 -> no finite interval
+    assert sign_flip_permutation_test([0.03, 0.05]) == 0.5
+    assert sign_flip_ci([0.03, 0.05]) == (-math.inf, math.inf)
+    assert sign_flip_ci([1.0, 2.0, 3.0, 4.0, 5.0]) == (-math.inf, math.inf)  # 5 seeds: p >= 0.0625 always
+    # 6 seeds: the test rejects only when all signs agree, so the interval is [min, max]
+    d = [0.5, 1.5, -0.2, 2.0, 0.9, 1.1]
+    assert sign_flip_ci(d) == (min(d), max(d))
+
+
+def test_sign_flip_ci_coverage_by_simulation():
+    # 8 seeds: k = ceil(0.05 * 128) - 1 = 6, exact coverage 1 - 12/256 = 0.953 for symmetric differences; 2000
+    # draws give SE 0.0047, so 4 SE = 0.019
+    rng = np.random.default_rng(5)
+    hits = 0
+    for _ in range(2000):
+        lo, hi = sign_flip_ci(rng.standard_t(3, size=8) + 0.7)
+        hits += lo <= 0.7 <= hi
+    assert hits / 2000 == pytest.approx(1 - 12 / 256, abs=0.019)
+
+
+def test_sign_flip_ci_large_n_uses_t_interval():
+    d = np.random.default_rng(2).normal(0.5, 1.0, size=25)
+    assert sign_flip_ci(d) == pytest.approx(mean_ci(d)[1:])
+
+
+# --- verdicts that say what a null result can mean ---------------------------------------------------------------
+def test_null_verdict_states_the_mde():
+    text = verdict_text(0.004, -0.01, 0.02, 0.43, n=10, p_adjusted=0.6, scale=100, unit="points", mde=0.021,
+                        n_tests=2)
+    assert text == ("no significant difference at n=10 seeds (p=0.60, Holm-adjusted); no effect larger than "
+                    "±2.1 points (MDE at 80% power)")
+    assert "underpowered" in verdict_text(0.0, 0, 0, 0.5, n=10, mde=math.inf)
+
+
+@pytest.mark.parametrize("n, n_tests, floor", [(2, 1, "0.50"), (5, 1, "0.062"), (6, 2, "0.062")])
+def test_underpowered_verdicts(n, n_tests, floor):
+    text = verdict_text(0.05, -math.inf, math.inf, 1.0, n=n, n_tests=n_tests, mde=math.inf)
+    assert f"underpowered: with {n} seeds" in text and f"smallest attainable p is {floor}" in text
+    assert "no effect larger" not in text
+    needed = 7 if n_tests == 2 else 6
+    assert text.endswith(f"at least {needed} seeds are needed")
+    assert underpowered_text(10, 0.05, 1) is None and underpowered_text(6, 0.05, 1) is None
