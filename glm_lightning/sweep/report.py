@@ -299,7 +299,7 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
               f"- Minimum detectable effect (MDE): the smallest true mean difference the test detects with "
               f"{POWER:.0%} probability at this n, at alpha = 0.05 / (number of comparisons) (Holm's first step), "
               "for normal differences with the observed SD: exact for 6 seeds (the test then rejects only when all "
-              "differences share a sign), the paired-t power otherwise (the exact test's power is about 0.76-0.80 "
+              "differences share a sign), the paired-t power otherwise (the exact test's power is about 0.75-0.80 "
               "there at 7-16 seeds, so the MDE is slightly optimistic at 7-10 seeds). A null verdict reads "
               "\"no effect larger than ±MDE\", or \"underpowered\" when n is too small for p < 0.05 to be possible. "
               "The SD is estimated from the same runs, so the MDE is itself approximate.",
