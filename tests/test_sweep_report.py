@@ -111,3 +111,14 @@ def test_charts_render_from_synthetic_results(tmp_path):
     png = plot_curves(study, curves, ["val/completion_acc"], tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_paired(study, analyses[0], tmp_path / "paired.png").stat().st_size > 1000
+
+
+def test_mde_beyond_the_metric_range_reads_underpowered(tmp_path):
+    # 6 seeds with wildly different differences: the MDE (1.79 SD) exceeds 100 points
+    report, analyses = _report(tmp_path, 6, {"blocked": [0.0, 1.0, 0.0, 1.0, 0.5, 0.0],
+                                             "interleaved": [1.0, 0.0, 1.0, 0.0, 0.5, 0.2]})
+    comp = analyses[0].comparisons[0]
+    assert math.isinf(comp.mde) and comp.p > 0.05
+    row = _row(report, "| interleaved | 6 |")
+    assert "none: underpowered" in row and "no effect size reaches 80% power" in row
+    assert "no effect within the metric's range reaches 80% power" in report

@@ -148,6 +148,8 @@ def analyse_metric(study: Study, metric: Metric, results: Sequence[RunResult], n
         wins = int(np.sum(sign * d > 0))
         losses = int(np.sum(sign * d < 0))
         sd, mde = _mde(d, alpha_mde) if len(seeds) else (math.nan, math.nan)
+        if bounds is not None and mde >= bounds[1] - bounds[0]:
+            mde = math.inf  # more than the metric's whole range: no possible effect reaches 80% power
         verdict = verdict_text(mean_d, lo, hi, p, n=len(seeds), p_adjusted=p_adj if len(raw) > 1 else None,
                                variant=name, control=study.control, higher_is_better=metric.higher_is_better,
                                alpha=alpha, confidence=confidence, scale=metric.scale, unit=metric.unit,

@@ -201,6 +201,10 @@ def _power_lines(study: Study, a: MetricAnalysis) -> list[str]:
         weak = underpowered_text(c.n, 0.05, max(1, n_tests))
         if weak is not None:
             lines.append(f"- {c.variant} vs {c.control}: {weak}.")
+        elif math.isinf(c.mde):
+            lines.append(f"- {c.variant} vs {c.control}: underpowered: with n={c.n} paired seeds no effect within the "
+                         f"metric's range reaches {POWER:.0%} power (SD of the paired differences "
+                         f"{_fmt(c.sd_diff, m)}{unit}).")
         elif math.isnan(c.mde):
             lines.append(f"- {c.variant} vs {c.control}: MDE not computable (n={c.n}, SD of the paired differences "
                          f"{_fmt(c.sd_diff, m)}).")
@@ -292,7 +296,8 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
               "- The 95% CI of the mean difference inverts that test (the shifts t that the test of d - t does not "
               "reject: Hartigan's subset-mean interval), so it excludes 0 exactly when p < 0.05; with 5 or fewer "
               "seeds no shift is ever rejected and only the exact test is shown. (A bootstrap interval can exclude 0 "
-              "at 2 seeds while the exact test gives p = 0.5; this one cannot.)",
+              "at 2 seeds while the exact test gives p = 0.5; this one cannot.) The interval is per comparison: it "
+              "agrees with the unadjusted p, not with Holm's.",
               "- Holm's step-down adjustment across the comparisons of each metric; a verdict calls a difference "
               "only when the (Holm-adjusted, if more than one comparison) p is below 0.05. Secondary metrics are "
               "exploratory.",
