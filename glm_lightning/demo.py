@@ -37,7 +37,7 @@ SMOKE = {
     "vision": ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
                "--trainer.limit_test_batches", "1"],
     "rl": ["--trainer.max_steps", "1", "--data.init_args.prompts_per_family", "2", "--data.init_args.eval_per_family",
-           "1", "--model.init_args.group_size", "2", "--model.init_args.max_new_tokens", "8"],
+           "1", "--model.init_args.sampling.group_size", "2", "--model.init_args.sampling.max_new_tokens", "8"],
 }
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from glm_lightning.evaluation import pass_rates, sample_completions, verify_samples
+from glm_lightning.evaluation import VerifierSettings, pass_rates, sample_completions, verify_samples
 from glm_lightning.modules.base import GLMTaskModule
 
 IGNORE = -100
@@ -37,8 +37,7 @@ class PretrainModule(GLMTaskModule):
         warmup_steps: int = 50,
         dev_eval: bool = True,
         dev_max_new_tokens: int = 48,
-        verifier_workers: int = 2,
-        verifier_timeout_s: float = 2.0,
+        verifier: VerifierSettings = VerifierSettings(),  # noqa: B008 - frozen dataclass
         samples_in_log: int = 8,
         expert_histogram_every_n_steps: int = 50,
     ) -> None:
@@ -46,6 +45,7 @@ class PretrainModule(GLMTaskModule):
         self.save_hyperparameters()
         self.val_loss = MeanMetric()
         self.val_bpb, self.val_completion_acc = MeanMetric(), MeanMetric()
+        self.verifier_settings = verifier
         self._verifier = None
         self._tokens_seen = 0
         self._t_last: float | None = None
@@ -137,9 +137,7 @@ class PretrainModule(GLMTaskModule):
     @property
     def verifier(self) -> Any:
         if self._verifier is None:
-            from glm_lightning.verifier import Verifier
-
-            self._verifier = Verifier(timeout_s=self.hparams.verifier_timeout_s, workers=self.hparams.verifier_workers)
+            self._verifier = self.verifier_settings.build()
         return self._verifier
 
     def teardown(self, stage: str) -> None:
