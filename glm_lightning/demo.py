@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from callbacks.regression import RegressionCallback
-from glm_lightning.cli import build_cli
+from glm_lightning.stage_cli import build_cli
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "demo"
 STABLE = Path("lightning_logs") / "demo"

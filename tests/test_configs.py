@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from glm_lightning.sweep.study import _config_checker
+from glm_lightning.stage_cli import check_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STAGE_CONFIGS = sorted([*CONFIGS.glob("*.yaml"), *(CONFIGS / "demo").glob("*.yaml"),
@@ -20,11 +20,11 @@ OVERLAYS = {"vision_direct.yaml": "vision.yaml"}
 def test_stage_config_instantiates(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     base = OVERLAYS.get(str(path.relative_to(CONFIGS)))
-    _config_checker()([*(["--config", str(CONFIGS / base)] if base else []), "--config", str(path)])
+    check_config([*(["--config", str(CONFIGS / base)] if base else []), "--config", str(path)])
 
 
 def test_a_wrong_key_in_a_config_fails(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((CONFIGS / "pretrain.yaml").read_text().replace("warmup_steps:", "warmup_stepz:"))
     with pytest.raises((Exception, SystemExit)):
-        _config_checker()(["--config", str(bad)])
+        check_config(["--config", str(bad)])
