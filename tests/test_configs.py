@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
+from glm_lightning.cli import main
 from glm_lightning.stage_cli import check_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -28,3 +30,18 @@ def test_a_wrong_key_in_a_config_fails(tmp_path):
     bad.write_text((CONFIGS / "pretrain.yaml").read_text().replace("warmup_steps:", "warmup_stepz:"))
     with pytest.raises((Exception, SystemExit)):
         check_config(["--config", str(bad)])
+
+
+SHARED_STAGE_ARGS = ("preset", "model_overrides", "init_weights", "lr", "min_lr_ratio", "weight_decay", "betas",
+                     "warmup_steps")
+
+
+@pytest.mark.parametrize("config", ["pretrain.yaml", "vision.yaml", "rl.yaml"])
+def test_print_config_lists_the_shared_stage_arguments(config, capsys):
+    """Stages forward the shared arguments with **kwargs; LightningCLI must still list every one of them."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    init_args = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
+    missing = [name for name in SHARED_STAGE_ARGS if name not in init_args]
+    assert not missing, missing

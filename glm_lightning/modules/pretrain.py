@@ -17,32 +17,33 @@ import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from glm_lightning.evaluation import VerifierSettings, pass_rates, sample_completions, verify_samples
-from glm_lightning.modules.base import GLMTaskModule
+from glm_lightning.modules.base import StageModule
 
 IGNORE = -100
 
 
-class PretrainModule(GLMTaskModule):
+class PretrainModule(StageModule):
     """Pre-training stage. Batches: `input_ids`, `targets` (-100 = ignore), `completion_mask` [B, T]."""
 
     def __init__(
         self,
-        preset: str = "flash-25m",
-        model_overrides: dict[str, Any] | None = None,
-        init_weights: str | None = None,
-        lr: float = 3e-3,
-        min_lr_ratio: float = 0.1,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 50,
         dev_eval: bool = True,
         dev_max_new_tokens: int = 48,
         verifier: VerifierSettings = VerifierSettings(),  # noqa: B008 - frozen dataclass
         samples_in_log: int = 8,
         expert_histogram_every_n_steps: int = 50,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(preset, model_overrides, init_weights, lr, min_lr_ratio, weight_decay, betas, warmup_steps)
-        self.save_hyperparameters()
+        """
+        Args:
+            dev_eval: at each validation, generate greedy completions of the datamodule's dev tasks and verify them.
+            dev_max_new_tokens: completion budget of that evaluation.
+            verifier: sandboxed verifier settings.
+            samples_in_log: rows of the dev-sample text table.
+            expert_histogram_every_n_steps: period of the per-layer expert-load histograms (0 = never).
+            **kwargs: the shared stage arguments (`StageModule`: preset, model_overrides, init_weights, lr, ...).
+        """
+        super().__init__(**kwargs)
         self.val_loss = MeanMetric()
         self.val_bpb, self.val_completion_acc = MeanMetric(), MeanMetric()
         self.verifier_settings = verifier

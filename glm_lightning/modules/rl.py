@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from glm_lightning.evaluation import VerifierSettings, completion_finished, verifier_jobs
 from glm_lightning.generation import generate
-from glm_lightning.modules.base import GLMTaskModule
+from glm_lightning.modules.base import StageModule
 from glm_lightning.rl.config import PolicyLoss, Reward, Sampling
 from glm_lightning.rl.loss import (
     aggregate_loss,
@@ -59,19 +59,11 @@ class UpdateBatch:
         return float(self.mask.sum())
 
 
-class RLModule(GLMTaskModule):
+class RLModule(StageModule):
     """RL post-training stage (algorithm above; options and logs in docs/rl.md)."""
 
     def __init__(
         self,
-        preset: str = "flash-25m",
-        model_overrides: dict[str, Any] | None = None,
-        init_weights: str | None = None,
-        lr: float = 5e-5,
-        min_lr_ratio: float = 1.0,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 0,
         sampling: Sampling = Sampling(),  # noqa: B008 - frozen dataclass; jsonargparse reads its fields as defaults
         reward: Reward = Reward(),  # noqa: B008
         loss: PolicyLoss = PolicyLoss(),  # noqa: B008
@@ -80,6 +72,7 @@ class RLModule(GLMTaskModule):
         micro_batch_size: int | None = None,
         untie_head: bool = True,
         log_samples_every_n_steps: int = 10,
+        **kwargs: Any,
     ) -> None:
         """
         Args:
@@ -91,13 +84,14 @@ class RLModule(GLMTaskModule):
             micro_batch_size: rows per forward/backward (null = the whole step at once).
             untie_head: give the output head its own weights (it trains while the input embedding stays frozen).
             log_samples_every_n_steps: period of the rollout text table (0 = never).
+            **kwargs: the shared stage arguments (`StageModule`: preset, model_overrides, init_weights, lr, ...);
+                RL configs usually want a small constant lr (`min_lr_ratio: 1`, no warm-up, no weight decay).
         """
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError("micro_batch_size must be >= 1 or null")
         if grad_clip < 0:
             raise ValueError("grad_clip must be >= 0")
-        super().__init__(preset, model_overrides, init_weights, lr, min_lr_ratio, weight_decay, betas, warmup_steps)
-        self.save_hyperparameters()
+        super().__init__(**kwargs)
         self.automatic_optimization = False
         self.sampling, self.reward, self.loss, self.verifier_settings = sampling, reward, loss, verifier
         if untie_head:
