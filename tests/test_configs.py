@@ -14,15 +14,17 @@ from glm_lightning.stage_cli import check_config
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STAGE_CONFIGS = sorted([*CONFIGS.glob("*.yaml"), *(CONFIGS / "demo").glob("*.yaml"),
                         CONFIGS / "experiments" / "base_composition.yaml"])
-OVERLAYS = {"vision_direct.yaml": "vision.yaml"}
-"""Configs meant to be layered on another (`--config base --config overlay`)."""
+OVERLAYS = {"vision_direct.yaml": ["vision.yaml"], "demo/pretrain.yaml": ["pretrain.yaml"],
+            "demo/vision.yaml": ["vision.yaml"], "demo/vision_last_block.yaml": ["vision.yaml", "demo/vision.yaml"],
+            "demo/rl.yaml": ["rl.yaml"]}
+"""Configs meant to be layered on others (`--config base --config overlay`)."""
 
 
 @pytest.mark.parametrize("path", STAGE_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_stage_config_instantiates(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    base = OVERLAYS.get(str(path.relative_to(CONFIGS)))
-    check_config([*(["--config", str(CONFIGS / base)] if base else []), "--config", str(path)])
+    bases = OVERLAYS.get(str(path.relative_to(CONFIGS)), [])
+    check_config([*(arg for base in bases for arg in ("--config", str(CONFIGS / base))), "--config", str(path)])
 
 
 def test_a_wrong_key_in_a_config_fails(tmp_path):
