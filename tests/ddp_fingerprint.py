@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 
 from glm_lightning.modules.rl import RLModule
-from glm_lightning.rl import Rollouts
+from glm_lightning.rl.rollouts import Rollouts
 
 
 def _fingerprint(module: torch.nn.Module) -> list[float]:

@@ -20,7 +20,7 @@ from glm_lightning.cli import main
 from glm_lightning.evaluation import VerifierSettings
 from glm_lightning.model import GLMConfig, GLMModel
 from glm_lightning.modules.rl import RLModule
-from glm_lightning.rl import PolicyLoss, Reward, Sampling
+from glm_lightning.rl.config import PolicyLoss, Reward, Sampling
 from glm_lightning.rl.loss import (
     aggregate_loss,
     build_sequences,
