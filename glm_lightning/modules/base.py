@@ -5,7 +5,8 @@
   (`init_weights`), since `--ckpt_path` resumes the *same* stage; the checkpoint is read once, and a stage adds its
   own parts through two hooks (`build_stage` before the weights load, `load_stage_weights` with the checkpoint);
 - AdamW with weight-decay exclusions (norms, biases, embeddings, gates, mHC and KDA gate parameters), linear
-  warm-up and cosine decay to `min_lr_ratio * lr`, built from trainable parameters only (so freezing callbacks work).
+  warm-up and cosine decay to `min_lr_ratio * lr`, built from trainable parameters only (so freezing callbacks work);
+- the sandboxed verifier of stages that score code (`verifier_settings`), started on first use, closed at teardown.
 
 The shared arguments are declared here once; stages take `**kwargs` and forward them, and LightningCLI still lists
 them under each stage (`--print_config`, `--help`), because jsonargparse follows the `super().__init__(**kwargs)`.
@@ -20,6 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from glm_lightning.evaluation import VerifierSettings
 from glm_lightning.model import GLMConfig, GLMModel
 
 NO_DECAY_MARKERS = ("bias", "norm", "embed", "A_log", "dt_bias", "alpha", "phi", "router")
@@ -46,6 +48,9 @@ def read_checkpoint(path: str | Path) -> tuple[GLMConfig, dict[str, torch.Tensor
 class StageModule(pl.LightningModule):
     """Base class of the stage modules; owns the shared model, optimizer and schedule."""
 
+    verifier_settings: VerifierSettings | None = None
+    """Set by stages that score code (pre-training's dev pass, RL); evaluation callbacks then share their verifier."""
+
     def __init__(
         self,
         preset: str = "flash-25m",
@@ -71,6 +76,7 @@ class StageModule(pl.LightningModule):
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or weight_decay < 0 or warmup_steps < 0:
             raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1, weight_decay >= 0, warmup_steps >= 0")
         super().__init__()
+        self._verifier: Any = None
         self.save_hyperparameters()  # collects the calling stage's own arguments too
         self.glm_config = GLMConfig.preset(preset, **(model_overrides or {}))
         self.model = GLMModel(self.glm_config)
@@ -84,6 +90,25 @@ class StageModule(pl.LightningModule):
 
     def load_stage_weights(self, checkpoint: dict[str, Any], path: str | Path, strict: bool) -> None:
         """Load stage-specific weights from an already-read checkpoint (called after the model's)."""
+
+    # --- the sandbox -------------------------------------------------------------------------------------------------
+    @property
+    def verifier(self) -> Any:
+        """The stage's sandboxed verifier, started on first use; None for a stage without `verifier_settings`."""
+        if self._verifier is None and self.verifier_settings is not None:
+            self._verifier = self.verifier_settings.build()
+        return self._verifier
+
+    def close_verifier(self) -> None:
+        """Stop the verifier's processes (a later use starts a fresh one)."""
+        if self._verifier is not None:
+            try:
+                self._verifier.close()
+            finally:
+                self._verifier = None
+
+    def teardown(self, stage: str) -> None:
+        self.close_verifier()
 
     # --- weights from earlier stages -----------------------------------------------------------------------------
     def load_model_weights(self, path: str | Path, strict: bool = True) -> None:

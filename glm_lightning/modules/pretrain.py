@@ -47,7 +47,6 @@ class PretrainModule(StageModule):
         self.val_loss = MeanMetric()
         self.val_bpb, self.val_completion_acc = MeanMetric(), MeanMetric()
         self.verifier_settings = verifier
-        self._verifier = None
         self._tokens_seen = 0
         self._t_last: float | None = None
 
@@ -134,14 +133,3 @@ class PretrainModule(StageModule):
             rows.append(f"| `{s.task.entry_point}` | {v[0].status} ({v[0].passed_cases}/{v[0].total_cases}) "
                         f"| `{code}` |")
         writer.add_text("samples/dev", "\n".join(rows), self.global_step)
-
-    @property
-    def verifier(self) -> Any:
-        if self._verifier is None:
-            self._verifier = self.verifier_settings.build()
-        return self._verifier
-
-    def teardown(self, stage: str) -> None:
-        if self._verifier is not None:
-            self._verifier.close()
-            self._verifier = None

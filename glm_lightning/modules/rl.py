@@ -99,20 +99,7 @@ class RLModule(StageModule):
         self.ref_model: torch.nn.Module | None = None
         if loss.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
-        self._verifier = None
         self._rollout_steps = self._groups_skipped = self._groups_seen = self._verifier_failures = 0
-
-    # --- verifier --------------------------------------------------------------------------------------------------
-    @property
-    def verifier(self) -> Any:
-        if self._verifier is None:
-            self._verifier = self.verifier_settings.build()
-        return self._verifier
-
-    def teardown(self, stage: str) -> None:
-        if self._verifier is not None:
-            self._verifier.close()
-            self._verifier = None
 
     # --- step 1: rollouts ------------------------------------------------------------------------------------------
     def rollout(self, tasks: Sequence[Task], generator: torch.Generator | None = None) -> Rollouts:
@@ -145,11 +132,7 @@ class RLModule(StageModule):
             self._verifier_failures += len(jobs)
             rank_zero_warn(f"verifier failed on a batch of {len(jobs)} samples ({type(exc).__name__}: {exc}); "
                            "they are treated as unscorable and the verifier is restarted")
-            if self._verifier is not None:
-                try:
-                    self._verifier.close()
-                finally:
-                    self._verifier = None
+            self.close_verifier()
             return [None] * len(jobs)
 
     def rewards(self, rollouts: Rollouts, verdicts: Sequence[Any]) -> torch.Tensor:
