@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
 
 import lightning.pytorch as pl  # noqa: E402
+from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.pytorch.cli import ArgsType, LightningCLI  # noqa: E402
 
 import callbacks  # noqa: E402,F401  (registers callbacks for class_path lookup)
@@ -30,10 +32,24 @@ class GLMCLI(LightningCLI):
     """LightningCLI with project defaults: seed 0, config saved next to the logs (overwritten on re-runs)."""
 
 
+def _wants_help(args: ArgsType) -> bool:
+    argv = sys.argv[1:] if args is None else args
+    return isinstance(argv, list) and any(a in ("-h", "--help") or str(a).endswith(".help") for a in argv)
+
+
 def build_cli(args: ArgsType = None, run: bool = True) -> GLMCLI:
     """The stage CLI; `args=None` reads sys.argv, `run=False` only builds the trainer, model and data."""
-    return GLMCLI(pl.LightningModule, pl.LightningDataModule, save_config_kwargs={"overwrite": True}, args=args,
-                  run=run, **CLI_DEFAULTS)
+    # settings dataclasses (e.g. RLModule's `sampling`) document their fields in attribute docstrings; parsing those
+    # makes every parse ~5x slower, so only --help pays for it
+    help_wanted = _wants_help(args)
+    if help_wanted:
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    try:
+        return GLMCLI(pl.LightningModule, pl.LightningDataModule, save_config_kwargs={"overwrite": True}, args=args,
+                      run=run, **CLI_DEFAULTS)
+    finally:
+        if help_wanted:
+            set_parsing_settings(docstring_parse_attribute_docstrings=False)
 
 
 class _ParseOnly(GLMCLI):

@@ -47,3 +47,10 @@ def test_print_config_lists_the_shared_stage_arguments(config, capsys):
     init_args = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
     missing = [name for name in SHARED_STAGE_ARGS if name not in init_args]
     assert not missing, missing
+
+
+def test_help_shows_the_settings_dataclasses_attribute_docstrings(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.help", "glm_lightning.modules.rl.RLModule"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--model.sampling.temperature" in text and "also the temperature of the trained policy" in text

@@ -227,7 +227,8 @@ def _mixed_verdicts(self, rollouts):
 def test_short_run_freezing_logs_and_rollouts(tmp_path, monkeypatch):
     monkeypatch.setattr(RLModule, "score", _mixed_verdicts)
     torch.manual_seed(0)
-    module = RLModule(preset="tiny", model_overrides={"max_seq_len": 192}, lr=1e-2,
+    module = RLModule(preset="tiny", model_overrides={"max_seq_len": 192}, lr=1e-2, min_lr_ratio=1.0, warmup_steps=0,
+                      weight_decay=0.0,
                       sampling=Sampling(group_size=2, temperature=1.0, max_new_tokens=6),
                       loss=PolicyLoss(kl_coef=0.1, ppo_epochs=2), micro_batch_size=2,
                       verifier=VerifierSettings(workers=1), log_samples_every_n_steps=1)
