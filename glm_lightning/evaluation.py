@@ -108,6 +108,11 @@ def verify_samples(verifier: Any, sampled: Sequence[Sampled]) -> list[list[Any]]
     return out
 
 
+def code_cell(text: str) -> str:
+    """A completion as one Markdown table cell (TensorBoard text tables): one line, pipes escaped."""
+    return "`" + text.strip().replace("|", "\\|").replace("\n", " ⏎ ") + "`"
+
+
 def pass_rates(tasks: Sequence[Task], passed: Sequence[bool]) -> dict[str, float]:
     """Overall and per-family fraction of tasks passed: {"all": .., "<family>": ..}."""
     by_family: dict[str, list[bool]] = defaultdict(list)
@@ -155,7 +160,7 @@ def evaluate_tasks(model: torch.nn.Module, tasks: Sequence[Task], verifier: Any,
     return out
 
 
-# --- which tasks, which families ----------------------------------------------------------------------------------------
+# --- which tasks, which families --------------------------------------------------------------------------------------
 def resolve_eval_tasks(trainer: Any, split: str | None, per_family: int | None,
                        families: Sequence[str] | None, seed: int) -> list[Task]:
     """Evaluation tasks: explicit (families + per_family) or from the datamodule's `eval_tasks`."""
@@ -175,7 +180,7 @@ def family_roles(trainer: Any) -> dict[str, str]:
     return roles
 
 
-# --- DDP: who serves what -----------------------------------------------------------------------------------------------
+# --- DDP: who serves what ---------------------------------------------------------------------------------------------
 def rank_and_world(owner: Any) -> tuple[int, int]:
     """(global rank, world size) of the Trainer attached to `owner` (a DataModule or LightningModule); (0, 1) alone."""
     trainer = getattr(owner, "trainer", None)

@@ -30,7 +30,8 @@ class Generation:
     """[B * num_samples] number of generated tokens per row (including eos when emitted)."""
 
 
-def left_align(prompt_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def left_align(prompt_ids: torch.Tensor,
+               attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids [B, T'] and their `valid` mask, the layout decoding needs (`ByteTokenizer.left_pad` makes it
     directly). `attention_mask` is bool [B, T], True on real tokens anywhere in a row (left, right or both sides
     padded); None means every token is real. Anything but a bool mask is refused: a lengths vector or a 0/1 int

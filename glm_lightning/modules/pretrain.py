@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from glm_lightning.evaluation import VerifierSettings, pass_rates, sample_completions, verify_samples
+from glm_lightning.evaluation import VerifierSettings, code_cell, pass_rates, sample_completions, verify_samples
 from glm_lightning.modules.base import StageModule
 
 IGNORE = -100
@@ -129,7 +129,6 @@ class PretrainModule(StageModule):
             return
         rows = ["| task | verdict | completion |", "|---|---|---|"]
         for s, v in list(zip(sampled, verdicts))[: self.hparams.samples_in_log]:
-            code = s.completions[0].strip().replace("|", "\\|").replace("\n", " ⏎ ")
             rows.append(f"| `{s.task.entry_point}` | {v[0].status} ({v[0].passed_cases}/{v[0].total_cases}) "
-                        f"| `{code}` |")
+                        f"| {code_cell(s.completions[0])} |")
         writer.add_text("samples/dev", "\n".join(rows), self.global_step)

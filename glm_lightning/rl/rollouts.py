@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from glm_lightning.evaluation import code_cell
 from glm_lightning.tasks.task import Task
 
 VERDICT_STATUSES = ("passed", "failed", "invalid", "timeout", "error", "unscorable")
@@ -81,9 +82,8 @@ def rollout_table(rollouts: Rollouts, verdicts: Sequence[Any], rewards: torch.Te
     for i in range(min(rows, len(rollouts.texts))):
         v = verdicts[i]
         verdict = "unscorable" if v is None else f"{v.status} ({v.passed_cases}/{v.total_cases})"
-        code = rollouts.texts[i].strip().replace("|", "\\|").replace("\n", " ⏎ ")
         lines.append(f"| `{rollouts.task_of(i).entry_point}` | {float(r[i]):.2f} | {float(a[i]):+.2f} | {verdict} "
-                     f"| `{code}` |")
+                     f"| {code_cell(rollouts.texts[i])} |")
     return "\n".join(lines)
 
 
