@@ -12,7 +12,7 @@ Names are those of the LightningModule's ``named_parameters()`` (so the shared m
 with :func:`fnmatch.fnmatchcase`. A pattern that matches no parameter raises ValueError, listing a few names.
 
 Freezing happens in ``setup`` (``BaseFinetuning.freeze_before_training``), i.e. before ``configure_optimizers``, so
-the optimizer must be built from ``requires_grad`` parameters only (``GLMTaskModule`` does that; do not use the CLI's
+the optimizer must be built from ``requires_grad`` parameters only (``StageModule`` does that; do not use the CLI's
 ``--optimizer``). At the unfreeze epoch the newly trainable parameters are added to the optimizer as new param group(s)
 (one per weight-decay class, following ``glm_lightning.modules.base.no_weight_decay``); a step-wise ``LambdaLR`` is
 extended so the new groups follow the same warm-up/cosine multiplier. Resuming from a checkpoint taken after the

@@ -17,112 +17,24 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 
-from glm_lightning.evaluation import sample_completions, verify_samples
+from glm_lightning.evaluation import (
+    TaskOutcomes,
+    VerifierSettings,
+    close_own_verifier,
+    evaluate_tasks,
+    family_roles,
+    module_verifier,
+    resolve_eval_tasks,
+    shard,
+)
 from glm_lightning.metrics import PassAtK
 from glm_lightning.tasks.families import resolve_families
-from glm_lightning.tasks.task import SPLITS, Task, make_tasks
-
-
-@dataclass
-class TaskOutcomes:
-    """Per-task evaluation results, in task order."""
-
-    tasks: list[Task]
-    greedy: list[bool] = field(default_factory=list)
-    """Greedy completion passed (empty when greedy decoding was not run)."""
-    correct: list[int] = field(default_factory=list)
-    """Passing samples out of `n_samples` (empty when no sampling was run)."""
-    n_samples: int = 0
-    greedy_text: list[str] = field(default_factory=list)
-
-
-def evaluate_tasks(model: torch.nn.Module, tasks: Sequence[Task], verifier: Any, *, n_samples: int = 0,
-                   greedy: bool = True, temperature: float = 0.35, top_p: float | None = None,
-                   max_new_tokens: int = 48, seed: int = 0, max_rows: int = 256) -> TaskOutcomes:
-    """Greedy and/or `n_samples` sampled completions per task, verified in the sandbox (model-written code never
-    runs in this process)."""
-    tasks = list(tasks)
-    out = TaskOutcomes(tasks=tasks, n_samples=n_samples)
-    if not tasks:
-        return out
-    if greedy:
-        sampled = sample_completions(model, tasks, num_samples=1, temperature=0.0, max_new_tokens=max_new_tokens)
-        verdicts = verify_samples(verifier, sampled)
-        out.greedy = [v[0].status == "passed" for v in verdicts]
-        out.greedy_text = [s.completions[0] for s in sampled]
-    if n_samples > 0:
-        device = next(model.parameters()).device
-        gen = torch.Generator(device=device).manual_seed(seed)
-        sampled = sample_completions(model, tasks, num_samples=n_samples, temperature=temperature,
-                                     max_new_tokens=max_new_tokens, batch_size=max(1, max_rows // n_samples),
-                                     generator=gen, top_p=top_p)
-        verdicts = verify_samples(verifier, sampled)
-        out.correct = [sum(v.status == "passed" for v in vs) for vs in verdicts]
-    return out
-
-
-def shard(items: Sequence[Any], trainer: pl.Trainer | None) -> list[Any]:
-    """This rank's share r, r+W, ... of `items`."""
-    if trainer is None or trainer.world_size <= 1:
-        return list(items)
-    return list(items)[trainer.global_rank::trainer.world_size]
-
-
-def gather_sharded(trainer: pl.Trainer | None, local: Sequence[float], total: int) -> list[float]:
-    """Inverse of `shard` for per-item numbers: every rank gets all `total` values in the original order."""
-    if trainer is None or trainer.world_size <= 1:
-        return list(local)
-    world = trainer.world_size
-    width = math.ceil(total / world)
-    buf = torch.full((width,), float("nan"), dtype=torch.float64)
-    buf[: len(local)] = torch.tensor(list(local), dtype=torch.float64)
-    gathered = trainer.strategy.all_gather(buf.to(trainer.strategy.root_device)).cpu().view(world, width)
-    return gathered.t().reshape(-1)[:total].tolist()
-
-
-def resolve_eval_tasks(trainer: pl.Trainer, split: str | None, per_family: int | None,
-                       families: Sequence[str] | None, seed: int) -> list[Task]:
-    """Evaluation tasks: explicit (families + per_family) or from the datamodule's `eval_tasks`."""
-    dm = getattr(trainer, "datamodule", None)
-    if hasattr(dm, "eval_tasks"):
-        return dm.eval_tasks(split, per_family, families)
-    if families is None or per_family is None:
-        raise ValueError("this datamodule has no eval_tasks(); give the callback `families` and `per_family`")
-    return make_tasks(split or "dev", per_family, list(families), seed=seed)
-
-
-def family_roles(trainer: pl.Trainer) -> dict[str, str]:
-    """family -> `rewarded` / `monitor`, when the datamodule declares them."""
-    dm = getattr(trainer, "datamodule", None)
-    roles = {f: "rewarded" for f in getattr(dm, "train_families", ())}
-    roles.update({f: "monitor" for f in getattr(dm, "monitor_families", ())})
-    return roles
-
-
-def module_verifier(pl_module: pl.LightningModule, own: dict[str, Any], workers: int, timeout_s: float) -> Any:
-    """The module's verifier when it has one (RLModule, PretrainModule), else a verifier owned by the callback."""
-    shared = getattr(pl_module, "verifier", None)
-    if shared is not None and hasattr(shared, "check_many"):
-        return shared
-    if own.get("verifier") is None:
-        from glm_lightning.verifier import Verifier
-
-        own["verifier"] = Verifier(timeout_s=timeout_s, workers=workers)
-    return own["verifier"]
-
-
-def close_own_verifier(own: dict[str, Any]) -> None:
-    if own.get("verifier") is not None:
-        own["verifier"].close()
-        own["verifier"] = None
+from glm_lightning.tasks.task import SPLITS
 
 
 class PassAtKCallback(Callback):
@@ -176,7 +88,7 @@ class PassAtKCallback(Callback):
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.greedy, self.per_family, self.seed = greedy, per_family, seed
         self.every_n_evals, self.prefix = every_n_evals, prefix
-        self.verifier_workers, self.verifier_timeout_s = verifier_workers, verifier_timeout_s
+        self.verifier_settings = VerifierSettings(workers=verifier_workers, timeout_s=verifier_timeout_s)
         self._evals = 0
         self._own: dict[str, Any] = {}
         self.last_results: dict[str, float] = {}
@@ -196,7 +108,7 @@ class PassAtKCallback(Callback):
         """Run the evaluation now and return the (rank-synchronised) metric values."""
         tasks = resolve_eval_tasks(trainer, self.split, self.per_family, self.families, self.seed)
         local = shard(tasks, trainer)
-        verifier = module_verifier(pl_module, self._own, self.verifier_workers, self.verifier_timeout_s)
+        verifier = module_verifier(pl_module, self._own, self.verifier_settings)
         outcomes = evaluate_tasks(pl_module.model, local, verifier, n_samples=self.n, greedy=self.greedy,
                                   temperature=self.temperature, top_p=self.top_p,
                                   max_new_tokens=self.max_new_tokens, seed=self.seed)

@@ -33,7 +33,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
-from callbacks.pass_at_k import (
+from glm_lightning.evaluation import (
+    VerifierSettings,
     close_own_verifier,
     evaluate_tasks,
     family_roles,
@@ -211,7 +212,7 @@ class RegressionCallback(Callback):
         self.alpha, self.min_effect, self.confidence, self.n_boot = alpha, min_effect, confidence, n_boot
         self.stop_on_regression, self.every_n_evals = stop_on_regression, every_n_evals
         self.evaluate_at_end, self.output_dir, self.seed, self.prefix = evaluate_at_end, output_dir, seed, prefix
-        self.verifier_workers, self.verifier_timeout_s = verifier_workers, verifier_timeout_s
+        self.verifier_settings = VerifierSettings(workers=verifier_workers, timeout_s=verifier_timeout_s)
         self.baseline: Measurement | None = None
         self.baseline_step: int | None = None
         self.history: list[dict[str, Any]] = []
@@ -224,7 +225,7 @@ class RegressionCallback(Callback):
         """Per-family greedy (and sampled) outcomes of every evaluation task, identical on all ranks."""
         tasks = resolve_eval_tasks(trainer, self.split, self.per_family, self.families, self.seed)
         local = shard(tasks, trainer)
-        verifier = module_verifier(pl_module, self._own, self.verifier_workers, self.verifier_timeout_s)
+        verifier = module_verifier(pl_module, self._own, self.verifier_settings)
         out = evaluate_tasks(pl_module.model, local, verifier, n_samples=self.n_samples, greedy=True,
                              temperature=self.temperature, max_new_tokens=self.max_new_tokens, seed=self.seed)
         greedy = gather_sharded(trainer, [float(v) for v in out.greedy], len(tasks))

@@ -21,9 +21,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from datamodules.sharding import rank_and_world
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from glm_lightning.evaluation import rank_and_world
 from glm_lightning.tasks import composition
 from glm_lightning.tasks.families import CLASSIC_FAMILIES, resolve_families
 from glm_lightning.tasks.task import Task, iter_train_tasks, make_tasks

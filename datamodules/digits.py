@@ -6,8 +6,6 @@ Sources (`source`):
 - `mnist`: torchvision `MNIST` read from `data_dir/MNIST/raw/` (`download: false` by default; missing files raise
   FileNotFoundError naming them). 28x28 images are zero-padded to 32x32 (resized for other sizes). The official test
   set is the test split; validation is a stratified part of the official training set.
-- `synthetic`: digits rendered here from seven-segment and 5x7 bitmap-font stroke templates with random size, aspect,
-  shift, rotation, stroke width, colours and noise (`synthetic_size` images), for stress and scaling studies.
 
 Splits are deterministic given `seed` and stratified by class (every split holds every class in proportion).
 Training images pass through a torchvision v2 random affine (configurable, `augment: false` turns it off); all
@@ -17,8 +15,6 @@ splits are normalised with the per-channel mean/std of the training split. Batch
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-SOURCES = ("sklearn", "mnist", "synthetic")
-SYNTHETIC_STYLES = ("segment", "font")
+SOURCES = ("sklearn", "mnist")
 NUM_CLASSES = 10
 MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
                "t10k-labels-idx1-ubyte")
@@ -125,114 +120,6 @@ def load_mnist(data_dir: str | Path, download: bool = False) -> tuple[torch.Tens
     return tuple(out)
 
 
-def _segment_glyphs() -> dict[int, list[tuple[float, float, float, float]]]:
-    """Seven-segment digits as line segments (x0, y0, x1, y1) in glyph units (height 1, y down, centred)."""
-    L, R, T, M, B = -0.25, 0.25, -0.5, 0.0, 0.5
-    seg = {"a": (L, T, R, T), "b": (R, T, R, M), "c": (R, M, R, B), "d": (L, B, R, B), "e": (L, M, L, B),
-           "f": (L, T, L, M), "g": (L, M, R, M)}
-    lit = ["abcdef", "bc", "abged", "abgcd", "fgbc", "afgcd", "afgedc", "abc", "abcdefg", "abcdfg"]
-    return {d: [seg[s] for s in lit[d]] for d in range(10)}
-
-
-_FONT_5X7 = (  # rows top to bottom, '#' = lit
-    (" ### ", "#   #", "#  ##", "# # #", "##  #", "#   #", " ### "),
-    ("  #  ", " ##  ", "  #  ", "  #  ", "  #  ", "  #  ", " ### "),
-    (" ### ", "#   #", "    #", "   # ", "  #  ", " #   ", "#####"),
-    ("#####", "   # ", "  #  ", "   # ", "    #", "#   #", " ### "),
-    ("   # ", "  ## ", " # # ", "#  # ", "#####", "   # ", "   # "),
-    ("#####", "#    ", "#### ", "    #", "    #", "#   #", " ### "),
-    ("  ## ", " #   ", "#    ", "#### ", "#   #", "#   #", " ### "),
-    ("#####", "    #", "   # ", "  #  ", " #   ", " #   ", " #   "),
-    (" ### ", "#   #", "#   #", " ### ", "#   #", "#   #", " ### "),
-    (" ### ", "#   #", "#   #", " ####", "    #", "   # ", " ##  "),
-)
-
-
-def _font_glyphs() -> dict[int, list[tuple[float, float, float, float]]]:
-    """5x7 bitmap digits as strokes: every lit cell is a dot, joined to lit neighbours (diagonals only when no
-    orthogonal path links them), in glyph units (cell = 1/6, height ~1)."""
-    glyphs = {}
-    for d, rows in enumerate(_FONT_5X7):
-        lit = {(r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch == "#"}
-        xy = {(r, c): ((c - 2) / 6, (r - 3) / 6) for r, c in lit}
-        segs = [(*xy[p], *xy[p]) for p in sorted(lit)]
-        for r, c in sorted(lit):
-            for dr, dc in ((0, 1), (1, 0), (1, 1), (1, -1)):
-                q = (r + dr, c + dc)
-                if q not in lit:
-                    continue
-                if dr and dc and ((r + dr, c) in lit or (r, c + dc) in lit):
-                    continue
-                segs.append((*xy[(r, c)], *xy[q]))
-        glyphs[d] = segs
-    return glyphs
-
-
-def _glyph_templates(styles: Sequence[str], thicknesses: Sequence[float], size: int = 64,
-                     extent: float = 0.6) -> torch.Tensor:
-    """Ink masks [len(styles), 10, len(thicknesses), size, size] of every glyph, drawn as distance-to-stroke fields
-    on a canvas covering [-extent, extent]^2 glyph units (anti-aliased edges)."""
-    tables = {"segment": _segment_glyphs(), "font": _font_glyphs()}
-    lin = (torch.arange(size) + 0.5) / size * 2 * extent - extent
-    yy, xx = torch.meshgrid(lin, lin, indexing="ij")
-    p = torch.stack((xx, yy), -1).reshape(-1, 1, 2)  # [P, 1, 2]
-    thick = torch.tensor(list(thicknesses)).view(-1, 1)
-    out = torch.empty(len(styles), 10, len(thicknesses), size, size)
-    for i, style in enumerate(styles):
-        for d, segs in tables[style].items():
-            s = torch.tensor(segs)  # [W, 4]
-            a, ab = s[:, :2], s[:, 2:] - s[:, :2]
-            t = (((p - a) * ab).sum(-1) / (ab * ab).sum(-1).clamp_min(1e-9)).clamp(0, 1)
-            dist = (p - (a + t[..., None] * ab)).norm(dim=-1).amin(-1)  # [P]
-            out[i, d] = ((thick - dist) / (extent / size)).sigmoid().view(-1, size, size)
-    return out
-
-
-def render_synthetic_digits(n: int, image_size: int = 32, seed: int = 0,
-                            styles: Sequence[str] = SYNTHETIC_STYLES, noise: float = 0.05,
-                            max_rotation: float = 15.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """`n` RGB digits [n, 3, S, S] in [0, 1] with balanced labels [n], deterministic given `seed`.
-
-    Each image draws a template (seven-segment or 5x7 font) and one of four stroke widths, a height of 45-85% of
-    the image, an aspect of 0.8-1.25, a shift of up to 15% of the image, a rotation of up to `max_rotation` degrees,
-    a light foreground and a dark background colour, and Gaussian pixel noise of std `noise`. The templates are
-    drawn once at 64x64 and warped with one `affine_grid` + `grid_sample` per batch.
-    """
-    if n < 1 or image_size < 8:
-        raise ValueError(f"need n >= 1 and image_size >= 8, got {n}, {image_size}")
-    bad = [s for s in styles if s not in SYNTHETIC_STYLES]
-    if bad or not styles:
-        raise ValueError(f"unknown synthetic style(s) {bad}; choose from {SYNTHETIC_STYLES}")
-    extent = 0.6
-    thicknesses = (0.05, 0.07, 0.09, 0.11)  # stroke half-widths in glyph units (glyph height 1)
-    templates = _glyph_templates(list(styles), thicknesses, extent=extent)
-    gen = torch.Generator().manual_seed(seed)
-    labels = (torch.arange(n) % 10)[torch.randperm(n, generator=gen)]
-
-    def uniform(lo: float, hi: float, *shape: int) -> torch.Tensor:
-        return lo + (hi - lo) * torch.rand((n, *shape), generator=gen)
-
-    style = torch.randint(len(styles), (n,), generator=gen)
-    thick = torch.randint(len(thicknesses), (n,), generator=gen)
-    height = uniform(0.45, 0.85) * 2  # in normalised image units ([-1, 1] spans the image)
-    aspect = uniform(0.8, 1.25)
-    shift = uniform(-0.3, 0.3, 2)
-    angle = uniform(-max_rotation, max_rotation) * math.pi / 180
-    fg, bg = uniform(0.55, 1.0, 3), uniform(0.0, 0.35, 3)
-    # output coords u -> template coords: diag(1/(extent*h*aspect), 1/(extent*h)) @ R(-angle) @ (u - shift)
-    cos, sin = angle.cos(), angle.sin()
-    rot = torch.stack((torch.stack((cos, sin), -1), torch.stack((-sin, cos), -1)), -2)  # [n, 2, 2]
-    scale = torch.stack((1 / (extent * height * aspect), 1 / (extent * height)), -1)  # [n, 2]
-    A = scale[:, :, None] * rot
-    theta = torch.cat((A, -(A @ shift[:, :, None])), dim=-1)  # [n, 2, 3]
-    grid = F.affine_grid(theta, [n, 1, image_size, image_size], align_corners=False)
-    ink = F.grid_sample(templates[style, labels, thick].unsqueeze(1), grid, mode="bilinear",
-                        padding_mode="zeros", align_corners=False)  # [n, 1, S, S]
-    images = bg[:, :, None, None] * (1 - ink) + fg[:, :, None, None] * ink
-    images = images + noise * torch.randn(images.shape, generator=gen)
-    return images.clamp(0, 1), labels
-
-
 # --- dataset and DataModule -----------------------------------------------------------------------------------------
 class DigitsDataset(Dataset):
     """Images [N, 1 or 3, S, S] in [0, 1] + labels 0..9, with an optional per-sample transform. With `channels=3`
@@ -259,24 +146,21 @@ class DigitsDataset(Dataset):
 
 
 class DigitsDataModule(pl.LightningDataModule):
-    """Digit images (sklearn scans, MNIST or synthetic renders) as `{"image", "label"}` batches.
+    """Digit images (sklearn scans or MNIST) as `{"image", "label"}` batches.
 
     Args:
-        source: `sklearn`, `mnist` or `synthetic`.
+        source: `sklearn` or `mnist`.
         data_dir: MNIST root (files under `data_dir/MNIST/raw/`).
         download: allow torchvision to download MNIST.
         image_size: side of the square images handed to the model.
-        channels: 3 (RGB; grayscale sources are repeated) or 1 (RGB renders are averaged).
+        channels: 3 (RGB; grayscale sources are repeated) or 1 (RGB images are averaged).
         val_fraction, test_fraction: stratified split fractions (for `mnist`, test is the official test set).
-        seed: split (and synthetic rendering) seed.
+        seed: split seed.
         batch_size, num_workers: DataLoader settings.
         augment: random affine on training images.
         rotate_degrees, translate, scale: the affine's range (degrees, fraction of the size, +-scale).
         max_samples: stratified cap on the pool that is split (quick runs); None = all.
         max_test_samples: stratified cap on the official MNIST test set; None = all.
-        synthetic_size: number of rendered images for `synthetic`.
-        synthetic_styles: templates to render from (`segment`, `font`).
-        synthetic_noise: pixel noise std of the renders.
     """
 
     def __init__(
@@ -297,9 +181,6 @@ class DigitsDataModule(pl.LightningDataModule):
         scale: float = 0.1,
         max_samples: int | None = None,
         max_test_samples: int | None = None,
-        synthetic_size: int = 5000,
-        synthetic_styles: list[str] | None = None,
-        synthetic_noise: float = 0.05,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
@@ -317,14 +198,7 @@ class DigitsDataModule(pl.LightningDataModule):
             raise ValueError("need rotate_degrees >= 0, 0 <= translate < 1, 0 <= scale < 1")
         if max_samples is not None and max_samples < 30:
             raise ValueError(f"max_samples must be >= 30 (3 splits x 10 classes) or null, got {max_samples}")
-        if synthetic_size < 30:
-            raise ValueError(f"synthetic_size must be >= 30, got {synthetic_size}")
-        styles = list(synthetic_styles or SYNTHETIC_STYLES)
-        bad = [s for s in styles if s not in SYNTHETIC_STYLES]
-        if bad:
-            raise ValueError(f"unknown synthetic style(s) {bad}; choose from {SYNTHETIC_STYLES}")
         self.save_hyperparameters()
-        self.styles = styles
         self.num_classes = NUM_CLASSES
         self.mean: list[float] | None = None
         self.std: list[float] | None = None
@@ -352,17 +226,13 @@ class DigitsDataModule(pl.LightningDataModule):
         if hp.source == "sklearn":
             images, labels = load_sklearn_digits()
             images = self._to_model_format(images, pad=False)
-        elif hp.source == "mnist":
+        else:
             images, labels, test_x, test_y = load_mnist(hp.data_dir, download=False)
             if hp.max_test_samples is not None:
                 keep = stratified_subsample(test_y, hp.max_test_samples, hp.seed)
                 test_x, test_y = test_x[keep], test_y[keep]
             images = self._to_model_format(images, pad=True)
             test = (self._to_model_format(test_x, pad=True), test_y)
-        else:
-            images, labels = render_synthetic_digits(hp.synthetic_size, hp.image_size, hp.seed, self.styles,
-                                                     hp.synthetic_noise)
-            images = self._to_model_format(images, pad=False)
         check_digits(images, labels)
         if hp.max_samples is not None:
             keep = stratified_subsample(labels, hp.max_samples, hp.seed)

@@ -6,7 +6,7 @@
   tasks of every train and monitor family. Callbacks (pass@k, regression) read `eval_tasks()`.
 
 A batch is a list of plain task records (dicts of str/int, see `task_record`), not Task objects: Lightning's
-device transfer cannot rebuild frozen dataclasses, and records rebuild the exact Task with `record_task`.
+device transfer cannot rebuild frozen dataclasses (`glm_lightning.tasks.task.task_record` / `record_task`).
 
 Training prompts come from an IterableDataset: a training epoch makes `epochs` passes over the prompt set, each
 reshuffled from (seed, epoch, pass), and rank r of W takes prompts r, r+W, ... of that sequence (the ragged tail is
@@ -21,26 +21,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from datamodules.sharding import rank_and_world
 from torch.utils.data import DataLoader, IterableDataset
 
+from glm_lightning.evaluation import rank_and_world
 from glm_lightning.tasks.families import CLASSIC_FAMILIES, RL_FAMILIES, resolve_families
-from glm_lightning.tasks.task import SPLITS, Task, build_task, make_tasks
-
-RECORD_KEYS = ("family", "name", "split", "index", "description_index", "arg_index", "body_index")
-
-
-def task_record(task: Task) -> dict[str, Any]:
-    """Plain-dict identity of a task (survives collation and device transfer)."""
-    return {key: getattr(task, key) for key in RECORD_KEYS}
-
-
-def record_task(record: dict[str, Any]) -> Task:
-    """The exact Task a `task_record` came from."""
-    return build_task(record["family"], record["name"], description_index=int(record["description_index"]),
-                      arg_index=int(record["arg_index"]), body_index=int(record["body_index"]),
-                      split=record["split"], index=int(record["index"]))
-
+from glm_lightning.tasks.task import SPLITS, Task, make_tasks, task_record
 
 def collate_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(records)

@@ -24,9 +24,13 @@ from typing import Any
 import torch
 
 from callbacks.regression import RegressionCallback
-from glm_lightning.cli import build_cli
+from glm_lightning.stage_cli import build_cli
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "demo"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+STAGE_CONFIGS = {"pretrain": ("pretrain.yaml", "demo/pretrain.yaml"), "vision": ("vision.yaml", "demo/vision.yaml"),
+                 "rl": ("rl.yaml", "demo/rl.yaml")}
+"""Each demo stage: the stage config plus the demo overlay holding only the differences (the `demo` model preset,
+shorter runs, the demo's families)."""
 STABLE = Path("lightning_logs") / "demo"
 """Each stage's final checkpoint is also copied here as pretrain.ckpt / vision.ckpt / rl.ckpt (stable names that
 the RL studies in configs/experiments/ start from)."""
@@ -37,7 +41,7 @@ SMOKE = {
     "vision": ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
                "--trainer.limit_test_batches", "1"],
     "rl": ["--trainer.max_steps", "1", "--data.init_args.prompts_per_family", "2", "--data.init_args.eval_per_family",
-           "1", "--model.init_args.group_size", "2", "--model.init_args.max_new_tokens", "8"],
+           "1", "--model.init_args.sampling.group_size", "2", "--model.init_args.sampling.max_new_tokens", "8"],
 }
 
 
@@ -59,13 +63,14 @@ def _scalars(results: list[dict[str, Any]] | dict[str, Any]) -> dict[str, float]
     return out
 
 
-def _cli(config: str, extra: list[str]) -> Any:
-    return build_cli(["--config", str(CONFIGS / config), *extra], run=False)
+def _cli(stage: str, extra: list[str]) -> Any:
+    configs = [arg for name in STAGE_CONFIGS[stage] for arg in ("--config", str(CONFIGS / name))]
+    return build_cli([*configs, *extra], run=False)
 
 
 def pretrain(extra: list[str]) -> StageResult:
     t = time.perf_counter()
-    cli = _cli("pretrain.yaml", extra)
+    cli = _cli("pretrain", extra)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     res = StageResult("pre-training", checkpoint=cli.trainer.checkpoint_callback.last_model_path or None)
     res.metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
@@ -75,7 +80,7 @@ def pretrain(extra: list[str]) -> StageResult:
 
 def text_dev_pass(checkpoint: str, extra: list[str]) -> dict[str, float]:
     """Greedy dev pass of any stage's checkpoint, measured by the pre-training module's own validation."""
-    cli = _cli("pretrain.yaml", [*extra, "--model.init_args.init_weights", checkpoint, "--trainer.logger", "false",
+    cli = _cli("pretrain", [*extra, "--model.init_args.init_weights", checkpoint, "--trainer.logger", "false",
                                  "--trainer.callbacks", "[]", "--trainer.enable_progress_bar", "false"])
     metrics = _scalars(cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False))
     return {k: v for k, v in metrics.items() if k.startswith("val/dev_pass")}
@@ -83,7 +88,7 @@ def text_dev_pass(checkpoint: str, extra: list[str]) -> dict[str, float]:
 
 def vision(checkpoint: str, extra: list[str], pretrain_extra: list[str]) -> StageResult:
     t = time.perf_counter()
-    cli = _cli("vision.yaml", [*extra, "--model.init_args.init_weights", checkpoint])
+    cli = _cli("vision", [*extra, "--model.init_args.init_weights", checkpoint])
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     test = _scalars(cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False))
     res = StageResult("vision", checkpoint=cli.trainer.checkpoint_callback.last_model_path or None, metrics=test)
@@ -94,7 +99,7 @@ def vision(checkpoint: str, extra: list[str], pretrain_extra: list[str]) -> Stag
 
 def rl(checkpoint: str, extra: list[str]) -> StageResult:
     t = time.perf_counter()
-    cli = _cli("rl.yaml", [*extra, "--model.init_args.init_weights", checkpoint])
+    cli = _cli("rl", [*extra, "--model.init_args.init_weights", checkpoint])
     before = _scalars(cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False))
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     after = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}

@@ -30,32 +30,29 @@ class Generation:
     """[B * num_samples] number of generated tokens per row (including eos when emitted)."""
 
 
-def left_align(prompt_ids: torch.Tensor, prompt_lengths: torch.Tensor | None = None,
-               attention_mask: torch.Tensor | None = None, pad_id: int = _TOK.pad_id) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return left-padded ids [B, T'] and the validity mask. `prompt_lengths` means the first L tokens of each row are
-    real (right padding); `attention_mask` marks real tokens anywhere. With neither, every token is real."""
-    if prompt_lengths is not None and attention_mask is not None:
-        raise ValueError("pass prompt_lengths or attention_mask, not both")
+def left_align(prompt_ids: torch.Tensor,
+               attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids [B, T'] and their `valid` mask, the layout decoding needs (`ByteTokenizer.left_pad` makes it
+    directly). `attention_mask` is bool [B, T], True on real tokens anywhere in a row (left, right or both sides
+    padded); None means every token is real. Anything but a bool mask is refused: a lengths vector or a 0/1 int
+    tensor would otherwise be read as token positions."""
     b, t = prompt_ids.shape
     if attention_mask is None:
-        if prompt_lengths is None:
-            return prompt_ids, torch.ones_like(prompt_ids, dtype=torch.bool)
-        lengths = torch.as_tensor(prompt_lengths, device=prompt_ids.device).long()
-        if lengths.shape != (b,) or int(lengths.min()) < 1 or int(lengths.max()) > t:
-            raise ValueError(f"prompt_lengths must be [B] with values in [1, {t}]")
-        attention_mask = torch.arange(t, device=prompt_ids.device)[None, :] < lengths[:, None]
-    mask = attention_mask.bool()
+        return prompt_ids, torch.ones_like(prompt_ids, dtype=torch.bool)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool \
+            or attention_mask.shape != (b, t):
+        got = (attention_mask.dtype, tuple(attention_mask.shape)) if isinstance(attention_mask, torch.Tensor) \
+            else type(attention_mask).__name__
+        raise TypeError(f"attention_mask must be a bool tensor [B, T] = [{b}, {t}] (True on real tokens), got {got}; "
+                        "build it with ByteTokenizer.left_pad / encode_batch")
+    mask = attention_mask
     lengths = mask.sum(1)
     if int(lengths.min()) < 1:
         raise ValueError("every prompt needs at least one real token")
-    width = int(lengths.max())
-    out = torch.full((b, width), pad_id, dtype=prompt_ids.dtype, device=prompt_ids.device)
-    valid = torch.zeros((b, width), dtype=torch.bool, device=prompt_ids.device)
-    for row in range(b):
-        toks = prompt_ids[row][mask[row]]
-        out[row, width - toks.numel():] = toks
-        valid[row, width - toks.numel():] = True
-    return out, valid
+    if bool(mask[:, -1].all()) and bool((mask.long().diff(dim=1) >= 0).all()):
+        return prompt_ids[:, t - int(lengths.max()):], mask[:, t - int(lengths.max()):]  # already left-padded
+    ids, valid = _TOK.left_pad([prompt_ids[row][mask[row]].tolist() for row in range(b)])
+    return ids.to(prompt_ids.device), valid.to(prompt_ids.device)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
@@ -91,7 +88,6 @@ def generate(
     num_samples: int = 1,
     eos_id: int | None = _TOK.eos_id,
     generator: torch.Generator | None = None,
-    prompt_lengths: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     stop_fn: Callable[[list[int]], bool] | None = None,
     banned_ids: Sequence[int] = (_TOK.pad_id, _TOK.bos_id, _TOK.image_start_id, _TOK.image_id, _TOK.image_end_id),
@@ -99,7 +95,8 @@ def generate(
     """Sample `num_samples` completions per prompt with the model's decoding caches (see module docstring).
 
     `stop_fn(completion_tokens)` is asked only after a newline byte, so it may be moderately expensive (e.g. "does
-    the completion parse as a complete function?"); returning True finishes that row.
+    the completion parse as a complete function?"); returning True finishes that row. `attention_mask`: bool [B, T],
+    True on real tokens (see `left_align`).
     """
     cfg = model.cfg
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2:
@@ -115,7 +112,7 @@ def generate(
         raise ValueError("top_k must be >= 1")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError("top_p must lie in (0, 1]")
-    ids, valid = left_align(prompt_ids, prompt_lengths, attention_mask)
+    ids, valid = left_align(prompt_ids, attention_mask)
     if ids.shape[1] + max_new_tokens > cfg.max_seq_len:
         raise ValueError(f"prompt length {ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the model "
                          f"context {cfg.max_seq_len}")

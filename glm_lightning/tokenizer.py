@@ -55,11 +55,19 @@ class ByteTokenizer:
                 out.append(i)
         return out.decode("utf-8", errors="replace")
 
-    def encode_batch(self, texts: Sequence[str], bos: bool = True, eos: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded [B, T] ids and the true lengths [B] (left padding keeps every row's end aligned for decoding)."""
-        rows = [self.encode(t, bos=bos, eos=eos) for t in texts]
+    def left_pad(self, rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The project's one padding convention for prompts: left-padded ids [B, T] and the `valid` mask [B, T]
+        (bool, True on real tokens; the model's and `generate`'s `attention_mask`). Left padding puts every row's
+        last token in the same column, which cached decoding needs."""
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        valid = torch.zeros((len(rows), width), dtype=torch.bool)
         for b, r in enumerate(rows):
-            ids[b, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        return ids, torch.tensor([len(r) for r in rows], dtype=torch.long)
+            if len(r):
+                ids[b, width - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
+                valid[b, width - len(r):] = True
+        return ids, valid
+
+    def encode_batch(self, texts: Sequence[str], bos: bool = True, eos: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`left_pad` of the encoded texts: ids [B, T] and the bool `valid` mask [B, T]."""
+        return self.left_pad([self.encode(t, bos=bos, eos=eos) for t in texts])

@@ -12,7 +12,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from glm_lightning.modules.rl import RLModule, Rollouts
+from glm_lightning.modules.rl import RLModule
+from glm_lightning.rl.rollouts import Rollouts
 
 
 def _fingerprint(module: torch.nn.Module) -> list[float]:

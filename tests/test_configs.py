@@ -6,25 +6,51 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
-from glm_lightning.sweep.study import _config_checker
+from glm_lightning.cli import main
+from glm_lightning.stage_cli import check_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STAGE_CONFIGS = sorted([*CONFIGS.glob("*.yaml"), *(CONFIGS / "demo").glob("*.yaml"),
                         CONFIGS / "experiments" / "base_composition.yaml"])
-OVERLAYS = {"vision_direct.yaml": "vision.yaml"}
-"""Configs meant to be layered on another (`--config base --config overlay`)."""
+OVERLAYS = {"vision_direct.yaml": ["vision.yaml"], "demo/pretrain.yaml": ["pretrain.yaml"],
+            "demo/vision.yaml": ["vision.yaml"], "demo/vision_last_block.yaml": ["vision.yaml", "demo/vision.yaml"],
+            "demo/rl.yaml": ["rl.yaml"]}
+"""Configs meant to be layered on others (`--config base --config overlay`)."""
 
 
 @pytest.mark.parametrize("path", STAGE_CONFIGS, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_stage_config_instantiates(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    base = OVERLAYS.get(str(path.relative_to(CONFIGS)))
-    _config_checker()([*(["--config", str(CONFIGS / base)] if base else []), "--config", str(path)])
+    bases = OVERLAYS.get(str(path.relative_to(CONFIGS)), [])
+    check_config([*(arg for base in bases for arg in ("--config", str(CONFIGS / base))), "--config", str(path)])
 
 
 def test_a_wrong_key_in_a_config_fails(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((CONFIGS / "pretrain.yaml").read_text().replace("warmup_steps:", "warmup_stepz:"))
     with pytest.raises((Exception, SystemExit)):
-        _config_checker()(["--config", str(bad)])
+        check_config(["--config", str(bad)])
+
+
+SHARED_STAGE_ARGS = ("preset", "model_overrides", "init_weights", "lr", "min_lr_ratio", "weight_decay", "betas",
+                     "warmup_steps")
+
+
+@pytest.mark.parametrize("config", ["pretrain.yaml", "vision.yaml", "rl.yaml"])
+def test_print_config_lists_the_shared_stage_arguments(config, capsys):
+    """Stages forward the shared arguments with **kwargs; LightningCLI must still list every one of them."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    init_args = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
+    missing = [name for name in SHARED_STAGE_ARGS if name not in init_args]
+    assert not missing, missing
+
+
+def test_help_shows_the_settings_dataclasses_attribute_docstrings(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.help", "glm_lightning.modules.rl.RLModule"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--model.sampling.temperature" in text and "also the temperature of the trained policy" in text

@@ -1,5 +1,5 @@
-"""DigitsDataModule: deterministic stratified splits, the three sources (sklearn, MNIST from local idx files,
-synthetic renders), transforms/normalisation, and clear errors for bad inputs."""
+"""DigitsDataModule: deterministic stratified splits, the two sources (sklearn, MNIST from local idx files),
+transforms/normalisation, and clear errors for bad inputs."""
 
 import struct
 
@@ -10,7 +10,6 @@ from datamodules.digits import (
     MNIST_FILES,
     DigitsDataModule,
     DigitsDataset,
-    render_synthetic_digits,
     stratified_split,
 )
 
@@ -74,22 +73,6 @@ def test_max_samples_and_grayscale():
     assert torch.bincount(dm.test_set.labels, minlength=10).min() >= 1
 
 
-def test_synthetic_renders_are_deterministic_balanced_and_in_range():
-    x, y = render_synthetic_digits(60, image_size=32, seed=4)
-    x2, y2 = render_synthetic_digits(60, image_size=32, seed=4)
-    x3, _ = render_synthetic_digits(60, image_size=32, seed=5)
-    assert torch.equal(x, x2) and torch.equal(y, y2) and not torch.equal(x, x3)
-    assert x.shape == (60, 3, 32, 32) and float(x.min()) >= 0 and float(x.max()) <= 1
-    assert torch.bincount(y, minlength=10).tolist() == [6] * 10
-    assert x.std() > 0.1  # there is ink on a background
-    one_style, _ = render_synthetic_digits(20, image_size=24, seed=0, styles=["segment"], noise=0.0)
-    assert one_style.shape == (20, 3, 24, 24)
-    dm = DigitsDataModule(source="synthetic", synthetic_size=100, batch_size=8)
-    dm.setup()
-    assert len(dm.train_set) + len(dm.val_set) + len(dm.test_set) == 100
-    assert dm.train_set[0]["image"].shape == (3, 32, 32)
-
-
 def _write_idx(folder, name, array):
     """Write a uint8 array in the MNIST idx format (big-endian magic, dims, raw bytes)."""
     magic = {3: 0x0803, 1: 0x0801}[array.dim()]
@@ -120,7 +103,7 @@ def test_bad_inputs_raise_clear_errors():
     for kwargs, match in (({"source": "svhn"}, "unknown digits source"), ({"channels": 2}, "channels"),
                           ({"val_fraction": 0.6, "test_fraction": 0.5}, "val_fraction"),
                           ({"image_size": 4}, "image_size"), ({"batch_size": 0}, "batch_size"),
-                          ({"max_samples": 10}, "max_samples"), ({"synthetic_styles": ["cursive"]}, "style")):
+                          ({"max_samples": 10}, "max_samples")):
         with pytest.raises(ValueError, match=match):
             DigitsDataModule(**kwargs)
     images = torch.rand(4, 3, 8, 8)

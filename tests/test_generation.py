@@ -65,15 +65,30 @@ def test_ragged_rows_equal_each_row_alone():
     model = tiny()
     texts = ["def f(x):", "# a longer prompt here\ndef h(value):"]
     rows = [torch.tensor([TOK.encode(t, bos=True)]) for t in texts]
-    width = max(r.shape[1] for r in rows)
-    batch = torch.full((2, width), TOK.pad_id)
-    lengths = torch.tensor([r.shape[1] for r in rows])
+    alone = [generate(model, r, max_new_tokens=16, eos_id=None).tokens[0] for r in rows]
+    left_ids, left_valid = TOK.encode_batch(texts)  # the project's convention: left padding + bool mask
+    width = left_ids.shape[1]
+    right_ids = torch.full((2, width), TOK.pad_id)
+    right_valid = torch.zeros((2, width), dtype=torch.bool)
     for i, r in enumerate(rows):
-        batch[i, : r.shape[1]] = r[0]  # right padded + prompt_lengths
-    together = generate(model, batch, max_new_tokens=16, prompt_lengths=lengths, eos_id=None).tokens
-    for i, r in enumerate(rows):
-        alone = generate(model, r, max_new_tokens=16, eos_id=None).tokens
-        assert torch.equal(together[i], alone[0])
+        right_ids[i, : r.shape[1]], right_valid[i, : r.shape[1]] = r[0], True
+    for ids, valid in ((left_ids, left_valid), (right_ids, right_valid)):  # any padding side, given its mask
+        together = generate(model, ids, max_new_tokens=16, attention_mask=valid, eos_id=None).tokens
+        for i in range(2):
+            assert torch.equal(together[i], alone[i])
+
+
+def test_padding_mix_ups_are_refused():
+    """Lengths (or a 0/1 int mask) cannot be passed where the bool validity mask is meant: with left-padded rows,
+    lengths read as "the first L tokens are real" would silently generate from pad positions."""
+    model = tiny()
+    ids, valid = TOK.encode_batch(["a", "abc"])
+    lengths = valid.sum(1)
+    for wrong in (lengths, valid.long(), valid[:, 1:]):
+        with pytest.raises(TypeError, match="bool tensor"):
+            generate(model, ids, max_new_tokens=2, attention_mask=wrong)
+    with pytest.raises(TypeError):
+        generate(model, ids, max_new_tokens=2, prompt_lengths=lengths)  # the ambiguous argument is gone
 
 
 def force_token(model, token_id):

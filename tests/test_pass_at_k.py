@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from callbacks.pass_at_k import PassAtKCallback, gather_sharded, shard
+from callbacks.pass_at_k import PassAtKCallback
+from glm_lightning.evaluation import gather_sharded, shard
 from datamodules.rl_prompts import RLPromptDataModule
 from glm_lightning.metrics import PassAtK, pass_at_k
 from glm_lightning.model import GLMConfig, GLMModel

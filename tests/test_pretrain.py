@@ -8,7 +8,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from glm_lightning.cli import main
-from glm_lightning.modules.base import load_model_checkpoint
+from glm_lightning.modules.base import read_checkpoint
 
 CONF = str(Path(__file__).parent / "conf" / "pretrain_tiny.yaml")
 
@@ -49,7 +49,7 @@ def test_real_run_logs_checkpoints_and_resumes(tmp_path, monkeypatch):
     last = tmp_path / "ckpt" / "last.ckpt"
     assert last.is_file()
     assert torch.load(last, weights_only=False)["global_step"] == 4
-    cfg, state = load_model_checkpoint(last)
+    cfg, state, _ = read_checkpoint(last)
     assert cfg.d_model == 32 and "embed.weight" in state
 
     state = torch.load(last, weights_only=False)

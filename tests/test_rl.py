@@ -15,11 +15,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from callbacks.freeze import FreezeCallback
 from callbacks.pass_at_k import PassAtKCallback
 from callbacks.regression import RegressionCallback
-from datamodules.rl_prompts import RLPromptDataModule, record_task, task_record
+from datamodules.rl_prompts import RLPromptDataModule
 from glm_lightning.cli import main
+from glm_lightning.evaluation import VerifierSettings
 from glm_lightning.model import GLMConfig, GLMModel
-from glm_lightning.modules.rl import (
-    RLModule,
+from glm_lightning.modules.rl import RLModule
+from glm_lightning.rl.config import PolicyLoss, Reward, Sampling
+from glm_lightning.rl.loss import (
     aggregate_loss,
     build_sequences,
     completion_logprobs,
@@ -28,6 +30,7 @@ from glm_lightning.modules.rl import (
     verdict_reward,
 )
 from glm_lightning.tasks import make_tasks
+from glm_lightning.tasks.task import record_task, task_record
 from glm_lightning.tokenizer import ByteTokenizer
 from glm_lightning.verifier import Verdict
 
@@ -138,15 +141,19 @@ def test_policy_gradient_step_moves_logprobs_by_advantage_sign():
 def test_bad_config_errors(tmp_path):
     tiny = {"preset": "tiny", "model_overrides": {"max_seq_len": 192}}
     with pytest.raises(ValueError, match="group_size"):
-        RLModule(**tiny, group_size=1)
+        Sampling(group_size=1)
     with pytest.raises(ValueError, match="unknown reward"):
-        RLModule(**tiny, reward="accuracy")
+        Reward(kind="accuracy")
     with pytest.raises(ValueError, match="unknown advantage"):
-        RLModule(**tiny, advantage="ppo")
+        PolicyLoss(advantage="ppo")
     with pytest.raises(ValueError, match="loss_aggregation"):
-        RLModule(**tiny, loss_aggregation="mean")
+        PolicyLoss(aggregation="mean")
     with pytest.raises(ValueError, match="temperature"):
-        RLModule(**tiny, temperature=0.0)
+        Sampling(temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(top_p=1.5)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        RLModule(**tiny, micro_batch_size=0)
     with pytest.raises(ValueError, match="unknown task family"):
         RLPromptDataModule(train_families=["increment", "fizzbuzz"])
     with pytest.raises(ValueError, match="unknown task family"):
@@ -169,7 +176,7 @@ def test_bad_config_errors(tmp_path):
     with pytest.raises(ValueError, match="different model config"):
         RLModule(**tiny, init_weights=str(ckpt))
     with pytest.raises(ValueError, match="group_size"):
-        main(["fit", "--config", CONF, "--model.init_args.group_size", "1"])
+        main(["fit", "--config", CONF, "--model.init_args.sampling.group_size", "1"])
 
 
 def test_init_weights_roundtrip_with_untied_head(tmp_path):
@@ -220,9 +227,11 @@ def _mixed_verdicts(self, rollouts):
 def test_short_run_freezing_logs_and_rollouts(tmp_path, monkeypatch):
     monkeypatch.setattr(RLModule, "score", _mixed_verdicts)
     torch.manual_seed(0)
-    module = RLModule(preset="tiny", model_overrides={"max_seq_len": 192}, lr=1e-2, group_size=2, temperature=1.0,
-                      max_new_tokens=6, kl_coef=0.1, ppo_epochs=2, micro_batch_size=2, verifier_workers=1,
-                      log_samples_every_n_steps=1)
+    module = RLModule(preset="tiny", model_overrides={"max_seq_len": 192}, lr=1e-2, min_lr_ratio=1.0, warmup_steps=0,
+                      weight_decay=0.0,
+                      sampling=Sampling(group_size=2, temperature=1.0, max_new_tokens=6),
+                      loss=PolicyLoss(kl_coef=0.1, ppo_epochs=2), micro_batch_size=2,
+                      verifier=VerifierSettings(workers=1), log_samples_every_n_steps=1)
     assert module.model.lm_head is not None and module.ref_model is not None
     before = {k: v.clone() for k, v in module.state_dict().items()}
     dm = RLPromptDataModule(train_families=["increment", "double"], monitor_families=["square"],

@@ -10,33 +10,35 @@ import sys
 
 import pytest
 
-from glm_lightning.tasks import (
+from glm_lightning.tasks.composition import (
+    OPS,
+    CompositionTask,
+    composition_structures,
+    make_composition_examples,
+    split_structures,
+)
+from glm_lightning.tasks.families import (
     CLASSIC_FAMILIES,
     FAMILIES,
     HELD_OUT_FAMILIES,
     KINDS,
-    MAX_PROMPT_BYTES,
-    MAX_TEXT_BYTES,
-    OPS,
     PRETRAIN_FAMILIES,
     RL_FAMILIES,
-    SPLITS,
-    CompositionTask,
-    Task,
-    build_task,
-    composition_structures,
     family_names,
     get_family,
+    resolve_families,
+)
+from glm_lightning.tasks.task import (
+    MAX_PROMPT_BYTES,
+    MAX_TEXT_BYTES,
+    SPLITS,
+    Task,
+    build_task,
     iter_train_tasks,
-    make_composition_curriculum,
-    make_composition_examples,
     make_pool,
     make_task,
     make_tasks,
-    order_examples,
-    resolve_families,
     split_of_name,
-    split_structures,
     values_match,
 )
 from glm_lightning.tasks.composition import MAX_TEXT_BYTES as COMPOSITION_MAX_TEXT_BYTES
@@ -483,7 +485,7 @@ def test_composition_prompt_format_and_evaluate():
     assert task.prompt == "Task: start with x. add 3. negate. multiply by 2.\nPython: "
     assert task.completion == "((-(x + 3)) * 2)\n"
     assert task.evaluate(1) == -8 and task.evaluate(-3) == 0
-    assert task.group == "add" and task.difficulty == 3
+    assert task.group == "add"
     train, held = split_structures()
     examples = make_composition_examples(train, 300, seed=4) + make_composition_examples(held, 64, seed=5)
     for ex in examples:
@@ -508,7 +510,7 @@ def test_composition_expression_in_subprocess():
     assert json.loads(proc.stdout) == [[e.evaluate(v) for v in xs] for e in examples]
 
 
-def test_composition_holdout_pool_determinism_and_orders():
+def test_composition_holdout_pool_and_determinism():
     train, held = split_structures(seed=0)
     examples = make_composition_examples(train, 500, seed=1)
     assert not {e.structure for e in examples} & set(held)
@@ -522,22 +524,6 @@ def test_composition_holdout_pool_determinism_and_orders():
     assert {e.structure for e in small} == set(train[:8])
     assert small[:8] == examples[:8]
 
-    blocked = make_composition_examples(train, 480, seed=1, pool_size=8, order="blocked")
-    assert sorted(blocked, key=lambda e: e.index) == sorted(small, key=lambda e: e.index)
-    runs = [k for k, _ in itertools.groupby(e.structure for e in blocked)]
-    assert len(runs) == 8
-    shuffled = order_examples(small, "shuffled", seed=3)
-    assert shuffled != small and sorted(shuffled, key=lambda e: e.index) == small
-    easy = order_examples(examples, "easy_first")
-    assert [e.difficulty for e in easy] == sorted(e.difficulty for e in examples)
-    grouped = order_examples(examples, "grouped")
-    assert len([k for k, _ in itertools.groupby(e.group for e in grouped)]) == len({e.group for e in examples})
-
-    curriculum = make_composition_curriculum(train, 200, seed=1, start_pool=8)
-    assert {e.structure for e in curriculum[:100]} == set(train[:8])
-    assert {e.structure for e in curriculum[100:]} - set(train[:8])
-    assert len({e.index for e in curriculum}) == 200
-
     plain = make_composition_examples(train, 20, seed=1, paraphrase=False)
     assert all(e.prompt.split(". ", 1)[1].split(".")[0] in ("add 2", "add 3", "add 4", "add 5", "subtract 2", "subtract 3",
                                                            "subtract 4", "subtract 5", "multiply by 2", "multiply by 3",
@@ -545,7 +531,5 @@ def test_composition_holdout_pool_determinism_and_orders():
                for e in plain)
     with pytest.raises(ValueError):
         make_composition_examples(train, 10, pool_size=0)
-    with pytest.raises(ValueError):
-        make_composition_examples(train, 10, order="random")
     with pytest.raises(ValueError):
         make_composition_examples([("add", "pow", "neg")], 1)

@@ -31,9 +31,10 @@ def test_decode_stops_at_eos_and_never_raises():
 
 
 def test_encode_batch_left_pads():
-    ids, lengths = tok.encode_batch(["a", "abc"])
-    assert ids.shape == (2, 4) and lengths.tolist() == [2, 4]
+    ids, valid = tok.encode_batch(["a", "abc"])
+    assert ids.shape == (2, 4) and valid.dtype == torch.bool and valid.sum(1).tolist() == [2, 4]
     assert ids[0, :2].tolist() == [tok.pad_id, tok.pad_id] and ids[0, 2].item() == tok.bos_id
+    assert valid[0].tolist() == [False, False, True, True] and valid[1].all()
 
 
 def test_encode_rejects_non_str():

@@ -96,7 +96,7 @@ class GLMConfig:
     # --- presets -------------------------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GLMConfig:
-        """A named preset (`tiny`, `flash-25m`) with field overrides applied, validated."""
+        """A named preset (`tiny`, `demo`, `flash-25m`) with field overrides applied, validated."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         unknown = set(overrides) - {f.name for f in fields(cls)}
@@ -154,8 +154,11 @@ def _presets() -> dict[str, GLMConfig]:
         kda_chunk_size=16, index_n_heads=2, index_head_dim=16, index_rope_dim=8, index_top_k=8,
         n_experts=4, moe_top_k=2, expert_hidden=32, shared_expert_hidden=32, hc_streams=2,
     )
+    # the `make demo` model: every demo stage and the RL studies share it, so their checkpoints load into each other
+    demo = replace(tiny, d_model=96, n_heads=3, head_dim=32, n_kv_heads=3, max_seq_len=192, index_head_dim=32,
+                   index_rope_dim=16, index_top_k=64, expert_hidden=192, shared_expert_hidden=192)
     flash = GLMConfig()  # the defaults are the flash-25m preset
-    return {"tiny": tiny, "flash-25m": flash}
+    return {"tiny": tiny, "demo": demo, "flash-25m": flash}
 
 
 PRESETS: dict[str, GLMConfig] = _presets()

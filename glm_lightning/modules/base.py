@@ -1,10 +1,15 @@
-"""GLMTaskModule: what every stage (pre-training, vision, RL) shares around the ONE shared `GLMModel`.
+"""StageModule: what every stage (pre-training, vision, RL) shares around the ONE shared `GLMModel`.
 
 - builds the model from a preset name plus field overrides (`--model.init_args.model_overrides '{d_model: 64}'`);
 - optionally loads only the model weights (and checks the config) from an earlier stage's checkpoint
-  (`init_weights`), since `--ckpt_path` resumes the *same* stage;
+  (`init_weights`), since `--ckpt_path` resumes the *same* stage; the checkpoint is read once, and a stage adds its
+  own parts through two hooks (`build_stage` before the weights load, `load_stage_weights` with the checkpoint);
 - AdamW with weight-decay exclusions (norms, biases, embeddings, gates, mHC and KDA gate parameters), linear
-  warm-up and cosine decay to `min_lr_ratio * lr`, built from trainable parameters only (so freezing callbacks work).
+  warm-up and cosine decay to `min_lr_ratio * lr`, built from trainable parameters only (so freezing callbacks work);
+- the sandboxed verifier of stages that score code (`verifier_settings`), started on first use, closed at teardown.
+
+The shared arguments are declared here once; stages take `**kwargs` and forward them, and LightningCLI still lists
+them under each stage (`--print_config`, `--help`), because jsonargparse follows the `super().__init__(**kwargs)`.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from glm_lightning.evaluation import VerifierSettings
 from glm_lightning.model import GLMConfig, GLMModel
 
 NO_DECAY_MARKERS = ("bias", "norm", "embed", "A_log", "dt_bias", "alpha", "phi", "router")
@@ -26,8 +32,8 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() < 2 or any(marker in name for marker in NO_DECAY_MARKERS)
 
 
-def load_model_checkpoint(path: str | Path) -> tuple[GLMConfig, dict[str, torch.Tensor]]:
-    """Model config and weights from a Lightning checkpoint of any glm-lightning stage (or a raw export)."""
+def read_checkpoint(path: str | Path) -> tuple[GLMConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Model config, model weights and the whole checkpoint dict of any glm-lightning stage (or a raw export)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -36,13 +42,14 @@ def load_model_checkpoint(path: str | Path) -> tuple[GLMConfig, dict[str, torch.
         raise ValueError(f"{path} is not a glm-lightning checkpoint (no 'glm_config' entry)")
     state = ckpt.get("state_dict", ckpt.get("model_state_dict", {}))
     model_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
-    if not model_state:
-        model_state = state
-    return GLMConfig(**ckpt["glm_config"]), model_state
+    return GLMConfig(**ckpt["glm_config"]), model_state or state, ckpt
 
 
-class GLMTaskModule(pl.LightningModule):
+class StageModule(pl.LightningModule):
     """Base class of the stage modules; owns the shared model, optimizer and schedule."""
+
+    verifier_settings: VerifierSettings | None = None
+    """Set by stages that score code (pre-training's dev pass, RL); evaluation callbacks then share their verifier."""
 
     def __init__(
         self,
@@ -55,19 +62,59 @@ class GLMTaskModule(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 50,
     ) -> None:
-        super().__init__()
-        cfg = GLMConfig.preset(preset, **(model_overrides or {}))
-        self.glm_config = cfg
-        self.model = GLMModel(cfg)
-        if init_weights:
-            self.load_model_weights(init_weights)
+        """
+        Args:
+            preset: model preset (`tiny`, `demo`, `flash-25m`; see `GLMConfig.preset`).
+            model_overrides: GLMConfig fields that differ from the preset.
+            init_weights: checkpoint of any stage with the same model config: its model weights are loaded.
+            lr: peak learning rate (AdamW).
+            min_lr_ratio: cosine decay ends at min_lr_ratio * lr (1 = constant).
+            weight_decay: AdamW weight decay (not applied to norms, biases, embeddings, gates, routers).
+            betas: AdamW betas.
+            warmup_steps: linear warm-up steps.
+        """
         if lr <= 0 or not 0 <= min_lr_ratio <= 1 or weight_decay < 0 or warmup_steps < 0:
             raise ValueError("need lr > 0, 0 <= min_lr_ratio <= 1, weight_decay >= 0, warmup_steps >= 0")
+        super().__init__()
+        self._verifier: Any = None
+        self.save_hyperparameters()  # collects the calling stage's own arguments too
+        self.glm_config = GLMConfig.preset(preset, **(model_overrides or {}))
+        self.model = GLMModel(self.glm_config)
+        self.build_stage()
+        if init_weights:
+            self.load_model_weights(init_weights)
+
+    # --- hooks for a stage's own parts ---------------------------------------------------------------------------
+    def build_stage(self) -> None:
+        """Build stage-specific submodules (from `self.hparams`) that checkpoints may carry weights for."""
+
+    def load_stage_weights(self, checkpoint: dict[str, Any], path: str | Path, strict: bool) -> None:
+        """Load stage-specific weights from an already-read checkpoint (called after the model's)."""
+
+    # --- the sandbox -------------------------------------------------------------------------------------------------
+    @property
+    def verifier(self) -> Any:
+        """The stage's sandboxed verifier, started on first use; None for a stage without `verifier_settings`."""
+        if self._verifier is None and self.verifier_settings is not None:
+            self._verifier = self.verifier_settings.build()
+        return self._verifier
+
+    def close_verifier(self) -> None:
+        """Stop the verifier's processes (a later use starts a fresh one)."""
+        if self._verifier is not None:
+            try:
+                self._verifier.close()
+            finally:
+                self._verifier = None
+
+    def teardown(self, stage: str) -> None:
+        self.close_verifier()
 
     # --- weights from earlier stages -----------------------------------------------------------------------------
     def load_model_weights(self, path: str | Path, strict: bool = True) -> None:
-        """Load only the shared model's weights; the checkpoint's model config must match this module's."""
-        cfg, state = load_model_checkpoint(path)
+        """Load the shared model's weights (the checkpoint's model config must match this module's), then the
+        stage's own through `load_stage_weights`; the file is read once."""
+        cfg, state, ckpt = read_checkpoint(path)
         mine, theirs = self.glm_config.to_dict(), cfg.to_dict()
         diff = {k: (theirs[k], mine[k]) for k in mine if k in theirs and mine[k] != theirs[k] and k != "vocab_size"}
         if diff:
@@ -76,6 +123,7 @@ class GLMTaskModule(pl.LightningModule):
         if "lm_head.weight" in state:  # the checkpoint's stage (e.g. RL) trained an untied output head
             self.model.untie_head()
         self.model.load_state_dict(state, strict=strict)
+        self.load_stage_weights(ckpt, path, strict)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["glm_config"] = self.glm_config.to_dict()

@@ -16,37 +16,37 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from glm_lightning.evaluation import pass_rates, sample_completions, verify_samples
-from glm_lightning.modules.base import GLMTaskModule
+from glm_lightning.evaluation import VerifierSettings, code_cell, pass_rates, sample_completions, verify_samples
+from glm_lightning.modules.base import StageModule
 
 IGNORE = -100
 
 
-class PretrainModule(GLMTaskModule):
+class PretrainModule(StageModule):
     """Pre-training stage. Batches: `input_ids`, `targets` (-100 = ignore), `completion_mask` [B, T]."""
 
     def __init__(
         self,
-        preset: str = "flash-25m",
-        model_overrides: dict[str, Any] | None = None,
-        init_weights: str | None = None,
-        lr: float = 3e-3,
-        min_lr_ratio: float = 0.1,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 50,
         dev_eval: bool = True,
         dev_max_new_tokens: int = 48,
-        verifier_workers: int = 2,
-        verifier_timeout_s: float = 2.0,
+        verifier: VerifierSettings = VerifierSettings(),  # noqa: B008 - frozen dataclass
         samples_in_log: int = 8,
         expert_histogram_every_n_steps: int = 50,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(preset, model_overrides, init_weights, lr, min_lr_ratio, weight_decay, betas, warmup_steps)
-        self.save_hyperparameters()
+        """
+        Args:
+            dev_eval: at each validation, generate greedy completions of the datamodule's dev tasks and verify them.
+            dev_max_new_tokens: completion budget of that evaluation.
+            verifier: sandboxed verifier settings.
+            samples_in_log: rows of the dev-sample text table.
+            expert_histogram_every_n_steps: period of the per-layer expert-load histograms (0 = never).
+            **kwargs: the shared stage arguments (`StageModule`: preset, model_overrides, init_weights, lr, ...).
+        """
+        super().__init__(**kwargs)
         self.val_loss = MeanMetric()
         self.val_bpb, self.val_completion_acc = MeanMetric(), MeanMetric()
-        self._verifier = None
+        self.verifier_settings = verifier
         self._tokens_seen = 0
         self._t_last: float | None = None
 
@@ -129,20 +129,6 @@ class PretrainModule(GLMTaskModule):
             return
         rows = ["| task | verdict | completion |", "|---|---|---|"]
         for s, v in list(zip(sampled, verdicts))[: self.hparams.samples_in_log]:
-            code = s.completions[0].strip().replace("|", "\\|").replace("\n", " ⏎ ")
             rows.append(f"| `{s.task.entry_point}` | {v[0].status} ({v[0].passed_cases}/{v[0].total_cases}) "
-                        f"| `{code}` |")
+                        f"| {code_cell(s.completions[0])} |")
         writer.add_text("samples/dev", "\n".join(rows), self.global_step)
-
-    @property
-    def verifier(self) -> Any:
-        if self._verifier is None:
-            from glm_lightning.verifier import Verifier
-
-            self._verifier = Verifier(timeout_s=self.hparams.verifier_timeout_s, workers=self.hparams.verifier_workers)
-        return self._verifier
-
-    def teardown(self, stage: str) -> None:
-        if self._verifier is not None:
-            self._verifier.close()
-            self._verifier = None

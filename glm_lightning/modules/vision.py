@@ -28,7 +28,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 from glm_lightning.model.vision import VisionConfig, VisionEncoder, splice_image_features
-from glm_lightning.modules.base import GLMTaskModule
+from glm_lightning.modules.base import StageModule
 from glm_lightning.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -42,49 +42,33 @@ def image_prompt_ids(num_image_tokens: int, prompt: str = "Digit: ") -> list[int
             + TOK.encode(prompt))
 
 
-class VisionModule(GLMTaskModule):
-    """Vision fine-tuning stage. Batches: ``image`` float [B, C, S, S] (normalised), ``label`` long [B] in 0..9.
-
-    Args (besides :class:`GLMTaskModule`'s):
-        vision: :class:`VisionConfig` fields (e.g. ``{encoder: direct, patch_size: 8}``); defaults otherwise.
-        prompt: text between `<image_end>` and the answer byte.
-        eos_loss: also train `<eos>` after the answer byte.
-        aux_loss_weight: multiplier on the model's aux loss (MoE balance + DSA indexer).
-        log_images: images in the TensorBoard prediction grid (0 = no grid).
-    """
+class VisionModule(StageModule):
+    """Vision fine-tuning stage. Batches: ``image`` float [B, C, S, S] (normalised), ``label`` long [B] in 0..9."""
 
     prompt_ids: torch.Tensor
     digit_ids: torch.Tensor
 
     def __init__(
         self,
-        preset: str = "flash-25m",
-        model_overrides: dict[str, Any] | None = None,
-        init_weights: str | None = None,
-        lr: float = 3e-3,
-        min_lr_ratio: float = 0.1,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
-        warmup_steps: int = 50,
         vision: dict[str, Any] | None = None,
         prompt: str = "Digit: ",
         eos_loss: bool = False,
         aux_loss_weight: float = 1.0,
         log_images: int = 16,
+        **kwargs: Any,
     ) -> None:
-        # weights are loaded below, once the vision encoder exists (a vision checkpoint also carries its weights)
-        super().__init__(preset, model_overrides, None, lr, min_lr_ratio, weight_decay, betas, warmup_steps)
-        self.save_hyperparameters()
+        """
+        Args:
+            vision: :class:`VisionConfig` fields (e.g. ``{encoder: direct, patch_size: 8}``); defaults otherwise.
+            prompt: text between `<image_end>` and the answer byte.
+            eos_loss: also train `<eos>` after the answer byte.
+            aux_loss_weight: multiplier on the model's aux loss (MoE balance + DSA indexer).
+            log_images: images in the TensorBoard prediction grid (0 = no grid).
+            **kwargs: the shared stage arguments (`StageModule`: preset, model_overrides, init_weights, lr, ...).
+        """
         if aux_loss_weight < 0 or log_images < 0:
             raise ValueError("aux_loss_weight and log_images must be >= 0")
-        self.vision_config = VisionConfig.from_dict(vision)
-        self.vision = VisionEncoder(self.vision_config, self.glm_config.d_model)
-        ids = image_prompt_ids(self.vision_config.num_tokens, prompt)
-        if len(ids) + 1 > self.glm_config.max_seq_len:
-            raise ValueError(f"the image prompt needs {len(ids) + 1} tokens but the model's max_seq_len is "
-                             f"{self.glm_config.max_seq_len}")
-        self.register_buffer("prompt_ids", torch.tensor(ids, dtype=torch.long), persistent=False)
-        self.register_buffer("digit_ids", torch.tensor(DIGIT_IDS, dtype=torch.long), persistent=False)
+        super().__init__(**kwargs)
         self.train_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.test_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
@@ -92,21 +76,26 @@ class VisionModule(GLMTaskModule):
         self.val_confmat = MulticlassConfusionMatrix(NUM_CLASSES)
         self.test_confmat = MulticlassConfusionMatrix(NUM_CLASSES)
         self._shown: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        if init_weights:
-            self.load_model_weights(init_weights)
 
-    # --- weights from earlier stages -----------------------------------------------------------------------------
-    def load_model_weights(self, path: str | Path, strict: bool = True) -> None:
-        """Language-model weights (config must match, else ValueError); also the vision encoder's when the checkpoint
-        comes from a vision run with the same vision config."""
-        super().load_model_weights(path, strict=strict)
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        if "vision_config" not in ckpt:
+    # --- the stage's own parts (built before, loaded after the shared model's weights) ----------------------------
+    def build_stage(self) -> None:
+        self.vision_config = VisionConfig.from_dict(self.hparams.vision)
+        self.vision = VisionEncoder(self.vision_config, self.glm_config.d_model)
+        ids = image_prompt_ids(self.vision_config.num_tokens, self.hparams.prompt)
+        if len(ids) + 1 > self.glm_config.max_seq_len:
+            raise ValueError(f"the image prompt needs {len(ids) + 1} tokens but the model's max_seq_len is "
+                             f"{self.glm_config.max_seq_len}")
+        self.register_buffer("prompt_ids", torch.tensor(ids, dtype=torch.long), persistent=False)
+        self.register_buffer("digit_ids", torch.tensor(DIGIT_IDS, dtype=torch.long), persistent=False)
+
+    def load_stage_weights(self, checkpoint: dict[str, Any], path: str | Path, strict: bool) -> None:
+        """The vision encoder's weights when the checkpoint comes from a vision run with the same vision config."""
+        if "vision_config" not in checkpoint:
             return
-        if ckpt["vision_config"] != self.vision_config.to_dict():
+        if checkpoint["vision_config"] != self.vision_config.to_dict():
             rank_zero_warn(f"{path}: vision config differs from this run's; the vision encoder starts from scratch")
             return
-        state = {k.removeprefix("vision."): v for k, v in ckpt.get("state_dict", {}).items()
+        state = {k.removeprefix("vision."): v for k, v in checkpoint.get("state_dict", {}).items()
                  if k.startswith("vision.")}
         self.vision.load_state_dict(state, strict=strict)
 

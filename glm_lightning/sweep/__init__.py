@@ -10,8 +10,7 @@
 See docs/sweeps.md.
 """
 
-from glm_lightning.sweep.cli import SweepOutcome, main, run_sweep
-from glm_lightning.sweep.study import Metric, Study, StudyError, Variant, load_study, validate_config
+from glm_lightning.sweep.cli import main, run_sweep
+from glm_lightning.sweep.study import StudyError, load_study, validate_config
 
-__all__ = ["main", "run_sweep", "SweepOutcome", "load_study", "validate_config", "Study", "StudyError", "Metric",
-           "Variant"]
+__all__ = ["StudyError", "load_study", "main", "run_sweep", "validate_config"]

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -346,9 +346,3 @@ def execute(study: Study, specs: Iterable[RunSpec], backend: LocalBackend | RayB
     if todo:
         backend.run(todo, on_outcome)
     return [results.get(s.key, RunResult(s, "cancelled")) for s in specs]
-
-
-def result_record(res: RunResult) -> dict[str, Any]:
-    d = asdict(res)
-    d["spec"] = {"variant": res.spec.variant, "seed": res.spec.seed, "run_dir": str(res.spec.run_dir)}
-    return d

@@ -26,7 +26,6 @@ error names the variant and the key.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import re
@@ -314,42 +313,6 @@ def _short_error(err: BaseException) -> str:
     return "; ".join(keep[:6]) or type(err).__name__
 
 
-@functools.lru_cache(maxsize=1)
-def _config_checker():  # noqa: ANN202 - returns a callable parser wrapper
-    """The project's LightningCLI parser (built once per process) as a function that parses arguments and
-    instantiates the model, data, logger and callbacks, never the Trainer."""
-    import lightning.pytorch as pl
-
-    from glm_lightning.cli import GLMCLI
-
-    class _ParseOnly(GLMCLI):
-        def parse_arguments(self, parser: Any, args: Any) -> None:
-            from jsonargparse import Namespace
-
-            self.config = Namespace()
-
-        def _set_seed(self) -> None:
-            pass
-
-        def instantiate_classes(self) -> None:
-            pass
-
-        def after_instantiate_classes(self) -> None:
-            pass
-
-    cli = _ParseOnly(pl.LightningModule, pl.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                     seed_everything_default=0, auto_configure_optimizers=False, run=False,
-                     parser_kwargs={"exit_on_error": False}, args=[])
-
-    def check(args: list[str]) -> None:
-        cfg = cli.parser.parse_args(args)
-        cli.config = cfg  # the module instantiators dump cli.config into the modules' hparams
-        cli.__dict__.pop("config_dump", None)
-        cli.parser.instantiate_classes(cfg)
-
-    return check
-
-
 def _unknown_keys_hint(check: Any, base_args: list[str], overrides: dict[str, Any]) -> list[str]:
     """Which single override keys fail on their own (to name the culprit)."""
     bad = []
@@ -370,7 +333,7 @@ def validate_config(study: Study, log_args: Sequence[str] = ()) -> None:
 
     with warnings.catch_warnings(), redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
-        check = _config_checker()
+        from glm_lightning.stage_cli import check_config as check
         base_args = ["--config", str(study.base)]
         try:
             check(base_args)

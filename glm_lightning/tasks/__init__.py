@@ -1,76 +1,11 @@
-"""Executable function-writing tasks and the arithmetic composition corpus (pure standard library).
+"""Executable function-writing tasks (`task`, drawn from the families in `families`) and the arithmetic composition
+corpus (`composition`), in pure standard library. Import what you need from those modules; the names below are the
+ones most callers want.
 
 Nothing here runs model-written code: checking a completion is the verifier's job (`glm_lightning.verifier`).
 """
 
-from glm_lightning.tasks.composition import (
-    OPS,
-    ORDERS,
-    CompositionTask,
-    composition_structures,
-    make_composition_curriculum,
-    make_composition_examples,
-    make_composition_task,
-    order_examples,
-    split_structures,
-    structure_difficulty,
-)
-from glm_lightning.tasks.families import (
-    CLASSIC_FAMILIES,
-    FAMILIES,
-    HELD_OUT_FAMILIES,
-    KINDS,
-    PRETRAIN_FAMILIES,
-    RL_FAMILIES,
-    Family,
-    family_names,
-    get_family,
-    resolve_families,
-)
-from glm_lightning.tasks.task import (
-    MAX_PROMPT_BYTES,
-    MAX_TEXT_BYTES,
-    SPLITS,
-    Task,
-    build_task,
-    iter_train_tasks,
-    make_pool,
-    make_task,
-    make_tasks,
-    split_of_name,
-    values_match,
-)
+from glm_lightning.tasks.families import resolve_families
+from glm_lightning.tasks.task import SPLITS, Task, make_tasks
 
-__all__ = [
-    "CLASSIC_FAMILIES",
-    "FAMILIES",
-    "HELD_OUT_FAMILIES",
-    "KINDS",
-    "MAX_PROMPT_BYTES",
-    "MAX_TEXT_BYTES",
-    "OPS",
-    "ORDERS",
-    "PRETRAIN_FAMILIES",
-    "RL_FAMILIES",
-    "SPLITS",
-    "CompositionTask",
-    "Family",
-    "Task",
-    "build_task",
-    "composition_structures",
-    "family_names",
-    "get_family",
-    "iter_train_tasks",
-    "make_composition_curriculum",
-    "make_composition_examples",
-    "make_composition_task",
-    "make_pool",
-    "make_task",
-    "make_tasks",
-    "order_examples",
-    "resolve_families",
-    "split_of_name",
-    "split_structures",
-    "structure_difficulty",
-    "values_match",
-]
+__all__ = ["SPLITS", "Task", "make_tasks", "resolve_families"]

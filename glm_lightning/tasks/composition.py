@@ -34,7 +34,6 @@ PHRASES: dict[str, tuple[str, ...]] = {
     "neg": ("negate.", "flip the sign."),
     "abs": ("take the absolute value.", "make it nonnegative."),
 }
-ORDERS: tuple[str, ...] = ("interleaved", "blocked", "grouped", "shuffled", "easy_first")
 PROMPT_PREFIX = "Task: start with x."
 PROMPT_SUFFIX = "\nPython: "
 MAX_TEXT_BYTES = 128  # every example's prompt + completion (before bos/eos), checked by the tests
@@ -47,11 +46,6 @@ def _check_structure(structure: Sequence[str]) -> Structure:
     if not structure or any(op not in OPS for op in structure):
         raise ValueError(f"bad structure {structure!r}; operations must be from {OPS}")
     return structure
-
-
-def structure_difficulty(structure: Sequence[str]) -> int:
-    """Number of distinct operation types (2 or 3 for the default structures): a curriculum key."""
-    return len(set(structure))
 
 
 def composition_structures(length: int = 3, min_distinct: int = 2) -> list[Structure]:
@@ -114,12 +108,8 @@ class CompositionTask:
 
     @property
     def group(self) -> str:
-        """The first operation type: a coarse grouping key for grouped/blocked orderings."""
+        """The first operation type: the example's family name in the pre-training corpus (blocked ordering)."""
         return self.structure[0]
-
-    @property
-    def difficulty(self) -> int:
-        return structure_difficulty(self.structure)
 
     def evaluate(self, x: int) -> int:
         """Value of the target expression at `x`, computed by folding the operations (no code execution)."""
@@ -153,48 +143,17 @@ def make_composition_task(structure: Sequence[str], index: int, seed: int = 0, *
     return CompositionTask(structure=structure, constants=tuple(constants), instructions=tuple(instructions), index=index)
 
 
-def order_examples(examples: Sequence[CompositionTask], order: str, seed: int = 0) -> list[CompositionTask]:
-    """Reorder examples (the multiset is unchanged).
-
-    interleaved: as given (make_composition_examples cycles through the structures round-robin);
-    blocked: all examples of a structure together, structures in first-appearance order (the tutorial's "blocked");
-    grouped: blocked by `group` (first operation), groups in first-appearance order;
-    shuffled: a seeded random permutation;
-    easy_first: curriculum by `difficulty` (2-op-type structures first), stable within a difficulty.
-    """
-    items = list(examples)
-    if order == "interleaved":
-        return items
-    if order == "blocked":
-        rank: dict[Structure, int] = {}
-        for task in items:
-            rank.setdefault(task.structure, len(rank))
-        return sorted(items, key=lambda t: rank[t.structure])
-    if order == "grouped":
-        group_rank: dict[str, int] = {}
-        for task in items:
-            group_rank.setdefault(task.group, len(group_rank))
-        return sorted(items, key=lambda t: group_rank[t.group])
-    if order == "shuffled":
-        random.Random(f"composition-order/{seed}").shuffle(items)
-        return items
-    if order == "easy_first":
-        return sorted(items, key=lambda t: t.difficulty)
-    raise ValueError(f"unknown order {order!r}; valid orders: {', '.join(ORDERS)}")
-
-
 def make_composition_examples(
     structures: Sequence[Structure],
     n: int,
     seed: int = 0,
     *,
     pool_size: int | None = None,
-    order: str = "interleaved",
     paraphrase: bool = True,
     start_index: int = 0,
 ) -> list[CompositionTask]:
-    """`n` examples; example i (global index `start_index + i`) uses `pool[(start_index + i) % len(pool)]` where
-    `pool = structures[:pool_size]`, then `order_examples(..., order, seed)` is applied.
+    """`n` examples, interleaved: example i (global index `start_index + i`) uses `pool[(start_index + i) % len(pool)]`
+    where `pool = structures[:pool_size]`. Orderings (blocked, curriculum) are the corpus DataModule's job.
 
     For a held-out evaluation set use the held-out structures with a different seed, e.g.
     `make_composition_examples(held_out, len(held_out), seed + 999)`.
@@ -208,29 +167,5 @@ def make_composition_examples(
         raise ValueError("no structures to draw examples from")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
-    if order not in ORDERS:
-        raise ValueError(f"unknown order {order!r}; valid orders: {', '.join(ORDERS)}")
-    examples = [
-        make_composition_task(pool[i % len(pool)], i, seed, paraphrase=paraphrase)
-        for i in range(start_index, start_index + n)
-    ]
-    return order_examples(examples, order, seed)
-
-
-def make_composition_curriculum(
-    structures: Sequence[Structure],
-    n: int,
-    seed: int = 0,
-    *,
-    start_pool: int = 8,
-    switch_at: int | None = None,
-    paraphrase: bool = True,
-) -> list[CompositionTask]:
-    """The tutorial's "curriculum 8 -> 88": the first `switch_at` examples (default n // 2) come from
-    `structures[:start_pool]`, the rest from all `structures`; example indices run on, so no example repeats."""
-    switch = n // 2 if switch_at is None else switch_at
-    if not 0 <= switch <= n:
-        raise ValueError(f"switch_at must be in 0..{n}, got {switch}")
-    first = make_composition_examples(structures, switch, seed, pool_size=start_pool, paraphrase=paraphrase)
-    rest = make_composition_examples(structures, n - switch, seed, paraphrase=paraphrase, start_index=switch)
-    return first + rest
+    return [make_composition_task(pool[i % len(pool)], i, seed, paraphrase=paraphrase)
+            for i in range(start_index, start_index + n)]

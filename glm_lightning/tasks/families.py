@@ -20,7 +20,7 @@ Every expected value is a plain JSON type (int, bool, str, list) with the exact 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,36 +86,13 @@ class Family:
         return fill(self.bodies[body_index], self.mapping(arg_index))
 
 
-def _family(
-    name: str,
-    *,
-    descriptions: Sequence[str],
-    arg_names: Iterable[str | tuple[str, ...]],
-    bodies: Sequence[str],
-    tests: Sequence[tuple[tuple[Any, ...], Any]],
-    difficulty: int,
-    kind: str,
-    params: tuple[str, ...] = ("arg",),
-) -> Family:
-    return Family(
-        name=name,
-        descriptions=tuple(descriptions),
-        arg_names=tuple(arg_names),  # type: ignore[arg-type]  # normalised in __post_init__
-        bodies=tuple(bodies),
-        tests=tuple(tests),
-        difficulty=difficulty,
-        kind=kind,
-        params=params,
-    )
-
-
 _INT_ARGS = ("x", "n", "value", "num")
 _STR_ARGS = ("text", "s", "word")
 _LIST_ARGS = ("values", "nums", "numbers", "items")
 
 _ALL: tuple[Family, ...] = (
     # ---- the 8 tutorial families -------------------------------------------------------------------------------
-    _family(
+    Family(
         "increment",
         descriptions=(
             "Return {arg} plus one.",
@@ -129,7 +106,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="int",
     ),
-    _family(
+    Family(
         "double",
         descriptions=(
             "Return two times {arg}.",
@@ -143,7 +120,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="int",
     ),
-    _family(
+    Family(
         "square",
         descriptions=(
             "Return {arg} squared.",
@@ -156,7 +133,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="int",
     ),
-    _family(
+    Family(
         "absolute",
         descriptions=(
             "Return the absolute value of {arg}.",
@@ -173,7 +150,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="int",
     ),
-    _family(
+    Family(
         "nonnegative",
         descriptions=(
             "Clamp {arg} to at least zero.",
@@ -186,7 +163,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="int",
     ),
-    _family(
+    Family(
         "even",
         descriptions=(
             "Return whether {arg} is even.",
@@ -199,7 +176,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="bool",
     ),
-    _family(
+    Family(
         "reverse",
         descriptions=(
             "Return {arg} in reverse order.",
@@ -219,7 +196,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="str",
     ),
-    _family(
+    Family(
         "list_sum",
         descriptions=(
             "Return the sum of {arg}.",
@@ -236,7 +213,7 @@ _ALL: tuple[Family, ...] = (
         kind="int",
     ),
     # ---- further integer families ------------------------------------------------------------------------------
-    _family(
+    Family(
         "decrement",
         descriptions=(
             "Return {arg} minus one.",
@@ -250,7 +227,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="int",
     ),
-    _family(
+    Family(
         "triple",
         descriptions=(
             "Return three times {arg}.",
@@ -263,7 +240,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="int",
     ),
-    _family(
+    Family(
         "halve",
         descriptions=(
             "Return {arg} divided by two, rounded down.",
@@ -276,7 +253,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=2,
         kind="int",
     ),
-    _family(
+    Family(
         "sign",
         descriptions=(
             "Return 1 if {arg} is positive, -1 if negative, else 0.",
@@ -292,7 +269,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=2,
         kind="int",
     ),
-    _family(
+    Family(
         "clamp",
         descriptions=(
             "Return {x} limited to the range {lo} to {hi}.",
@@ -318,7 +295,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=3,
         kind="int",
     ),
-    _family(
+    Family(
         "max_of_two",
         descriptions=(
             "Return the larger of {a} and {b}.",
@@ -332,7 +309,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=2,
         kind="int",
     ),
-    _family(
+    Family(
         "add",
         descriptions=(
             "Return the sum of {a} and {b}.",
@@ -346,7 +323,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="int",
     ),
-    _family(
+    Family(
         "square_plus_one",
         descriptions=(
             "Return {arg} squared plus one.",
@@ -360,7 +337,7 @@ _ALL: tuple[Family, ...] = (
         kind="int",
     ),
     # ---- boolean families --------------------------------------------------------------------------------------
-    _family(
+    Family(
         "divisible_by_three",
         descriptions=(
             "Return whether {arg} is divisible by three.",
@@ -373,7 +350,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="bool",
     ),
-    _family(
+    Family(
         "is_positive",
         descriptions=(
             "Return whether {arg} is greater than zero.",
@@ -386,7 +363,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="bool",
     ),
-    _family(
+    Family(
         "is_palindrome",
         descriptions=(
             "Return whether {arg} reads the same forwards and backwards.",
@@ -408,7 +385,7 @@ _ALL: tuple[Family, ...] = (
         kind="bool",
     ),
     # ---- string families ---------------------------------------------------------------------------------------
-    _family(
+    Family(
         "count_vowels",
         descriptions=(
             "Count the vowels (aeiou, any case) in {arg}.",
@@ -431,7 +408,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=3,
         kind="int",
     ),
-    _family(
+    Family(
         "first_char",
         descriptions=(
             "Return the first character of {arg}, or '' if it is empty.",
@@ -444,7 +421,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=2,
         kind="str",
     ),
-    _family(
+    Family(
         "to_upper",
         descriptions=(
             "Return {arg} in upper case.",
@@ -463,7 +440,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="str",
     ),
-    _family(
+    Family(
         "concat_twice",
         descriptions=(
             "Return {arg} repeated twice.",
@@ -476,7 +453,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="str",
     ),
-    _family(
+    Family(
         "string_length",
         descriptions=(
             "Return the number of characters in {arg}.",
@@ -490,7 +467,7 @@ _ALL: tuple[Family, ...] = (
         kind="int",
     ),
     # ---- list families -----------------------------------------------------------------------------------------
-    _family(
+    Family(
         "list_length",
         descriptions=(
             "Return the number of elements in {arg}.",
@@ -503,7 +480,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="int",
     ),
-    _family(
+    Family(
         "last_element",
         descriptions=(
             "Return the last element of the non-empty list {arg}.",
@@ -516,7 +493,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=1,
         kind="int",
     ),
-    _family(
+    Family(
         "min_of_list",
         descriptions=(
             "Return the smallest number in {arg}.",
@@ -539,7 +516,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=2,
         kind="int",
     ),
-    _family(
+    Family(
         "max_of_list",
         descriptions=(
             "Return the largest number in {arg}.",
@@ -562,7 +539,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=2,
         kind="int",
     ),
-    _family(
+    Family(
         "double_each",
         descriptions=(
             "Return a list with every number in {arg} doubled.",
@@ -585,7 +562,7 @@ _ALL: tuple[Family, ...] = (
         difficulty=3,
         kind="list",
     ),
-    _family(
+    Family(
         "keep_positive",
         descriptions=(
             "Return the positive numbers of {arg}, in order.",

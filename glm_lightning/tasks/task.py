@@ -153,6 +153,22 @@ def build_task(
     )
 
 
+RECORD_KEYS = ("family", "name", "split", "index", "description_index", "arg_index", "body_index")
+
+
+def task_record(task: Task) -> dict[str, Any]:
+    """Plain-dict identity of a task: survives collation and device transfer, which cannot rebuild a frozen
+    dataclass (RL batches are lists of records)."""
+    return {key: getattr(task, key) for key in RECORD_KEYS}
+
+
+def record_task(record: dict[str, Any]) -> Task:
+    """The exact Task a `task_record` came from."""
+    return build_task(record["family"], record["name"], description_index=int(record["description_index"]),
+                      arg_index=int(record["arg_index"]), body_index=int(record["body_index"]),
+                      split=record["split"], index=int(record["index"]))
+
+
 def make_task(split: str, family: str, index: int, seed: int = 0, *, exclude: frozenset[str] | set[str] = frozenset()) -> Task:
     """Task `index` of `family` in `split`: deterministic in (split, family, seed, index), name owned by `split`.
 

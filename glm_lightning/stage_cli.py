@@ -1,0 +1,91 @@
+"""The project's LightningCLI: `build_cli` runs a stage (`fit`, `validate`, `test`) from YAML, and `check_config`
+parses a config and instantiates its model, data, logger and callbacks without training (used by the sweep
+validator and `tests/test_configs.py`, so a misspelt key fails before any run).
+
+Every LightningModule / DataModule / callback of the project is imported here so configs may name them by class
+name (`class_path: PretrainModule`); any LightningModule or LightningDataModule is accepted (subclass mode).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
+
+import lightning.pytorch as pl  # noqa: E402
+from jsonargparse import set_parsing_settings  # noqa: E402
+from lightning.pytorch.cli import ArgsType, LightningCLI  # noqa: E402
+
+import callbacks  # noqa: E402,F401  (registers callbacks for class_path lookup)
+import datamodules  # noqa: E402,F401
+import glm_lightning.modules  # noqa: E402,F401
+
+CLI_DEFAULTS: dict[str, Any] = {"subclass_mode_model": True, "subclass_mode_data": True,
+                                "seed_everything_default": 0, "auto_configure_optimizers": False}
+
+
+class GLMCLI(LightningCLI):
+    """LightningCLI with project defaults: seed 0, config saved next to the logs (overwritten on re-runs)."""
+
+
+def _wants_help(args: ArgsType) -> bool:
+    argv = sys.argv[1:] if args is None else args
+    return isinstance(argv, list) and any(a in ("-h", "--help") or str(a).endswith(".help") for a in argv)
+
+
+def build_cli(args: ArgsType = None, run: bool = True) -> GLMCLI:
+    """The stage CLI; `args=None` reads sys.argv, `run=False` only builds the trainer, model and data."""
+    # settings dataclasses (e.g. RLModule's `sampling`) document their fields in attribute docstrings; parsing those
+    # makes every parse ~5x slower, so only --help pays for it
+    help_wanted = _wants_help(args)
+    if help_wanted:
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    try:
+        return GLMCLI(pl.LightningModule, pl.LightningDataModule, save_config_kwargs={"overwrite": True}, args=args,
+                      run=run, **CLI_DEFAULTS)
+    finally:
+        if help_wanted:
+            set_parsing_settings(docstring_parse_attribute_docstrings=False)
+
+
+class _ParseOnly(GLMCLI):
+    """Builds the parser only; `check_config` does the parsing and instantiation itself."""
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        from jsonargparse import Namespace
+
+        self.config = Namespace()
+
+    def _set_seed(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+    def after_instantiate_classes(self) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=1)
+def _checker() -> Callable[[list[str]], None]:
+    cli = _ParseOnly(pl.LightningModule, pl.LightningDataModule, run=False, parser_kwargs={"exit_on_error": False},
+                     args=[], **CLI_DEFAULTS)
+
+    def check(args: list[str]) -> None:
+        cfg = cli.parser.parse_args(args)
+        cli.config = cfg  # the module instantiators dump cli.config into the modules' hparams
+        cli.__dict__.pop("config_dump", None)
+        cli.parser.instantiate_classes(cfg)
+
+    return check
+
+
+def check_config(args: Sequence[str]) -> None:
+    """Parse stage arguments (e.g. `["--config", "configs/rl.yaml", "--trainer.max_steps=3"]`) with the real CLI
+    parser (built once per process) and instantiate model, data, logger and callbacks, never the Trainer; raises on a
+    bad key or value."""
+    _checker()(list(args))
