@@ -1,7 +1,7 @@
 """Kimi Delta Attention (KDA), the linear-attention token mixer of the "L" layers.
 
 Follows Kimi Linear (arXiv 2510.26692, "Kimi Linear: An Expressive, Efficient Attention Architecture"), with the
-GLM-5.3 "safe gate" and the settings in ``/work/shared/reference/architecture.md`` sections 4 and 9:
+GLM-5.3 "safe gate" (``g = lb * sigmoid(...)``, ``lb = -5``, so every log decay lies in ``(lb, 0)``):
 
 * the gated delta rule with a **per-head, per-key-channel** decay (fine-grained ``Diag(exp g_t)``)::
 
@@ -288,6 +288,7 @@ class KDAttention(nn.Module):
         # per (q heads | k heads) divisor of the fused L2 norm: sqrt(K) for q (q / |q| * K^-0.5), 1 for k
         self.register_buffer("_qk_rescale", torch.tensor([K ** 0.5] * H + [1.0] * H).view(2 * H, 1), persistent=False)
         self._w_in_cache: tuple | None = None
+        self.register_buffer("_no_aux", torch.zeros(()), persistent=False)  # KDA's aux loss (none), not re-made per call
         self.reset_parameters()
 
     @torch.no_grad()
@@ -349,8 +350,10 @@ class KDAttention(nn.Module):
                 self._w_in_cache = (key, torch.cat(qkv), torch.cat(small))
         return self._w_in_cache[1], self._w_in_cache[2]
 
-    def forward(self, x: Tensor, valid: Tensor | None = None, cache: KDACache | None = None) -> Tensor:
-        """x [B, T, C] -> [B, T, C]. ``valid`` [B, T] bool (False = pad); ``cache`` is updated in place."""
+    def forward(self, x: Tensor, valid: Tensor | None = None,
+                cache: KDACache | None = None) -> tuple[Tensor, Tensor]:
+        """x [B, T, C] -> (y [B, T, C], aux loss: a zero scalar, KDA has none; the same contract as DSA's mixer).
+        ``valid`` [B, T] bool (False = pad); ``cache`` is updated in place."""
         q, k, v, g, beta, gate, raw = self._features(x, valid, cache)
         B, T, H, K = q.shape
         if cache is None:
@@ -367,7 +370,7 @@ class KDAttention(nn.Module):
                                    gate_bound=-self.lower_bound)
             self._update_cache(cache, raw, S)
         o = self.o_norm(o) * torch.sigmoid(gate.float().view(B, T, H, K))
-        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype)), self._no_aux
 
     def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None):
         """Everything before the recurrence: q, k (unit norm, q scaled), v, g, beta (fp32), the output-gate

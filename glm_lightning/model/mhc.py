@@ -158,12 +158,25 @@ class HyperConnection(nn.Module):
         res = sinkhorn_knopp(logits[..., 2 * n:].unflatten(-1, (n, n)), self.iters, self.eps)
         return pre, post, res
 
-    def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def read(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The sub-layer input H_pre x [B,T,C] and the (H_post, H_res) that `write` needs."""
         if self.n == 1:
-            return x + sublayer(x[..., 0, :]).unsqueeze(-2)
+            return x[..., 0, :], None
         pre, post, res = (m if m.dtype == x.dtype else m.to(x.dtype) for m in self.mappings(x))
-        y = sublayer(read_streams(pre, x))
-        return StreamWrite.apply(res, x, post, y if y.dtype == x.dtype else y.to(x.dtype))
+        return read_streams(pre, x), (post, res)
+
+    def write(self, x: torch.Tensor, maps: tuple[torch.Tensor, torch.Tensor] | None, y: torch.Tensor) -> torch.Tensor:
+        """x_next = H_res x + H_post^T y, for the sub-layer output y [B,T,C] and `maps` from `read`."""
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        if maps is None:
+            return x + y.unsqueeze(-2)
+        post, res = maps
+        return StreamWrite.apply(res, x, post, y)
+
+    def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x_next for the sub-layer F = `sublayer` (read, F, write in one call)."""
+        h, maps = self.read(x)
+        return self.write(x, maps, sublayer(h))
 
     def extra_repr(self) -> str:
         return f"streams={self.n}, dim={self.dim}, sinkhorn_iters={self.iters}"
