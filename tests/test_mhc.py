@@ -141,3 +141,13 @@ def test_sinkhorn_backward_equals_autograd_of_the_iterations_fp32():
     (out_a * weight).sum().backward()
     (out_b * weight).sum().backward()
     torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_stream_write_two_streams_gradcheck():
+    """n = 2 takes the broadcast multiply-add path instead of a batched matmul."""
+    torch.manual_seed(0)
+    args = (torch.rand(2, 3, 2, 2), torch.randn(2, 3, 2, 5), torch.rand(2, 3, 2), torch.randn(2, 3, 5))
+    args = tuple(a.double().requires_grad_() for a in args)
+    assert torch.autograd.gradcheck(StreamWrite.apply, args)
+    res, x, post, y = args
+    torch.testing.assert_close(StreamWrite.apply(*args), torch.matmul(res, x) + post.unsqueeze(-1) * y.unsqueeze(-2))

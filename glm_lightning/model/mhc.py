@@ -92,6 +92,21 @@ def read_streams(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * x).sum(dim=-2)
 
 
+def _mix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-token a @ b for a [..., i, j] (tiny) and b [..., j, C] -> [..., i, C].
+
+    A batched matmul with inner dimension j runs one tiny GEMM per token; for j <= 2 streams the j broadcast
+    multiply-adds are several times faster (1024 tokens, 2 x 2 @ 2 x 48: 0.16 vs 1.05 ms), for j = 4 they are not.
+    """
+    j = a.shape[-1]
+    if j > 2:
+        return torch.matmul(a, b)
+    out = a[..., 0:1] * b[..., 0:1, :]
+    for i in range(1, j):
+        out.addcmul_(a[..., i:i + 1], b[..., i:i + 1, :])
+    return out
+
+
 class StreamWrite(torch.autograd.Function):
     """x_next = H_res x + H_post^T y, per token: [B,T,n,n] x [B,T,n,C] + [B,T,n] x [B,T,C] -> [B,T,n,C].
 
@@ -103,16 +118,16 @@ class StreamWrite(torch.autograd.Function):
     @staticmethod
     def forward(ctx, res: torch.Tensor, x: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(res, x, post, y)
-        return torch.matmul(res, x).addcmul_(post.unsqueeze(-1), y.unsqueeze(-2))
+        return _mix(res, x).addcmul_(post.unsqueeze(-1), y.unsqueeze(-2))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         res, x, post, y = ctx.saved_tensors
         grad = grad.contiguous()
         grad_res = torch.matmul(grad, x.transpose(-1, -2))                 # [n,C] @ [C,n]
-        grad_x = torch.matmul(res.transpose(-1, -2).contiguous(), grad)     # [n,n] @ [n,C]
+        grad_x = _mix(res.transpose(-1, -2).contiguous(), grad)             # [n,n] @ [n,C]
         grad_post = torch.matmul(grad, y.unsqueeze(-1)).squeeze(-1)        # [n,C] @ [C,1]
-        grad_y = torch.matmul(post.unsqueeze(-2), grad).squeeze(-2)        # [1,n] @ [n,C]
+        grad_y = read_streams(post, grad)                                   # [1,n] @ [n,C]
         return grad_res, grad_x, grad_post, grad_y
 
 
