@@ -69,6 +69,11 @@ from glm_lightning.model.norm import RMSNorm
 __all__ = ["KDACache", "KDAttention", "kda_chunked", "kda_recurrent"]
 
 
+def _f32(t: Tensor) -> Tensor:
+    """t in fp32 (``t.float()`` without the no-op op call when it already is)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def _compute_dtype(*xs: Tensor) -> torch.dtype:
     return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
 
@@ -115,7 +120,7 @@ def kda_recurrent(
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = _compute_dtype(q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x if x.dtype == dt else x.to(dt) for x in (q, k, v, g, beta))
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
     decay = g.exp()
     outs = []
@@ -154,7 +159,7 @@ def kda_chunked(
         return v.new_zeros(B, 0, H, V, dtype=dt), S
     C = chunk_size
     pad = (-T) % C
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x if x.dtype == dt else x.to(dt) for x in (q, k, v, g, beta))
     if pad:  # identity steps: g = 0, beta = 0, k = 0 (q, v = 0 too; their outputs are dropped)
         q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
         beta = F.pad(beta, (0, 0, 0, pad))
@@ -213,11 +218,11 @@ def kda_chunked(
 def _delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> Tensor:
     """One recurrent step written into S in place (decode, no autograd). q, k, g [B, H, K]; v [B, H, V]; beta [B, H];
     S [B, H, K, V] fp32. Returns o [B, H, V]."""
-    S.mul_(g.float().exp().unsqueeze(-1))                                     # Diag(exp g) S
-    kk = k.float().unsqueeze(-1)                                              # [B, H, K, 1]
-    e = v.float() - (kk.transpose(-1, -2) @ S).squeeze(-2)                    # v - S^T k
-    S.addcmul_(kk, (beta.float().unsqueeze(-1) * e).unsqueeze(-2))            # S += k (beta e)^T
-    return (q.float().unsqueeze(-2) @ S).squeeze(-2)                          # S^T q
+    S.mul_(_f32(g).exp().unsqueeze(-1))                                     # Diag(exp g) S
+    kk = _f32(k).unsqueeze(-1)                                              # [B, H, K, 1]
+    e = _f32(v) - (kk.transpose(-1, -2) @ S).squeeze(-2)                    # v - S^T k
+    S.addcmul_(kk, (_f32(beta).unsqueeze(-1) * e).unsqueeze(-2))            # S += k (beta e)^T
+    return (_f32(q).unsqueeze(-2) @ S).squeeze(-2)                          # S^T q
 
 
 def _writable(t: Tensor) -> bool:
@@ -333,9 +338,9 @@ class KDAttention(nn.Module):
 
     def _gates(self, f1: Tensor, b: Tensor, B: int, T: int) -> tuple[Tensor, Tensor]:
         H, K = self.n_heads, self.head_dim
-        f = F.linear(f1.float(), self.f_b_proj.weight.float(), self.dt_bias.float()).view(B, T, H, K)  # W_f2 f1 + dt_b
-        g = self.lower_bound * torch.sigmoid(self.A_log.float().exp().view(H, 1) * f)
-        return g, torch.sigmoid(b.float())
+        f = F.linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias)).view(B, T, H, K)  # W_f2 f1 + dt_b
+        g = self.lower_bound * torch.sigmoid(_f32(self.A_log).exp().view(H, 1) * f)
+        return g, torch.sigmoid(_f32(b))
 
     def _in_weights(self) -> tuple[Tensor, Tensor]:
         """The fused input projections [W_q; W_k; W_v] and [W_f1; W_g1; W_b]. Rebuilt on every call while autograd
@@ -369,8 +374,9 @@ class KDAttention(nn.Module):
                 o, S = kda_chunked(q, k, v, g, beta, self.chunk_size, initial_state=cache.state,
                                    gate_bound=-self.lower_bound)
             self._update_cache(cache, raw, S)
-        o = self.o_norm(o) * torch.sigmoid(gate.float().view(B, T, H, K))
-        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype)), self._no_aux
+        o = self.o_norm(o) * torch.sigmoid(_f32(gate).view(B, T, H, K))
+        o = o.reshape(B, T, H * K)
+        return self.o_proj(o if o.dtype == x.dtype else o.to(x.dtype)), self._no_aux
 
     def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None):
         """Everything before the recurrence: q, k (unit norm, q scaled), v, g, beta (fp32), the output-gate
@@ -387,7 +393,7 @@ class KDAttention(nn.Module):
             raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
         ctx = None if cache is None else cache.conv_state.transpose(1, 2).to(raw.dtype)
         y, raw_ext = self._short_conv(raw, ctx)
-        y = y.float()
+        y = _f32(y)
         # L2-normalise q and k together (eps 1e-6, as F.normalize) and fold q's K^-0.5 into the same division
         qk = y[..., :2 * HK].view(B, T, 2 * H, K)
         denom = torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(1e-6) * self._qk_rescale
@@ -405,7 +411,7 @@ class KDAttention(nn.Module):
     def _update_cache(self, cache: KDACache, raw_ext: Tensor, S: Tensor) -> None:
         ks = self.conv_size
         conv_state = raw_ext[:, raw_ext.shape[1] - (ks - 1):].transpose(1, 2)
-        state = S.float()
+        state = _f32(S)
         if (state.requires_grad or conv_state.requires_grad or not _writable(cache.state)
                 or not _writable(cache.conv_state)):
             # keep the autograd graph (or an inference tensor outside inference mode): rebind instead of writing

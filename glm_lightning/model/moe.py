@@ -34,6 +34,11 @@ from torch import Tensor, nn
 from glm_lightning.model.config import GLMConfig
 
 
+def _f32(t: Tensor) -> Tensor:
+    """t in fp32 (``t.float()`` without the no-op op call when it already is)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 class MoE(nn.Module):
     """Routed SwiGLU experts (top-K of E, sigmoid gates) plus an always-on shared SwiGLU expert.
 
@@ -70,8 +75,8 @@ class MoE(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Route tokens ``x`` [..., d]: returns fp32 scores ``s`` [..., E], expert ids ``idx`` [..., K] and fp32 gate
         weights ``w`` [..., K] (unbiased ``s`` of the chosen experts, renormalised when K > 1, times the scaling)."""
-        s = torch.sigmoid(F.linear(x.float(), self.router_weight.float()))
-        choice = s.detach() + self.expert_bias.float()
+        s = torch.sigmoid(F.linear(_f32(x), _f32(self.router_weight)))
+        choice = s.detach() + _f32(self.expert_bias)
         idx = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
         w = s.gather(-1, idx)
         if self.top_k > 1:
@@ -106,7 +111,8 @@ class MoE(nn.Module):
         xs = x.new_zeros(E * cap, d).index_copy(0, slot, x.index_select(0, token)).view(E, cap, d)
         gate, up = torch.bmm(xs, self.w_gate_up.transpose(1, 2)).chunk(2, dim=-1)   # [E, cap, h] each
         ys = torch.bmm(F.silu(gate) * up, self.w_down.transpose(1, 2)).view(E * cap, d)
-        ys = ys.index_select(0, slot) * w.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(-1)
+        gates = w.reshape(-1).index_select(0, order)
+        ys = ys.index_select(0, slot) * (gates if gates.dtype == x.dtype else gates.to(x.dtype)).unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, token, ys)
 
     def _balance_loss(self, s: Tensor, idx: Tensor) -> Tensor:

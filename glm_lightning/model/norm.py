@@ -1,10 +1,9 @@
 """RMSNorm (Zhang & Sennrich 2019, as used by DeepSeek-V3 / GLM-5): y = w * x / sqrt(mean(x^2) + eps).
 
 Computed in fp32 (fp64 inputs stay fp64) and cast back, so low-precision inputs do not lose the normalisation.
-`weight=False` gives the unweighted norm. The forward is one fused ATen kernel (`_fused_rms_norm`, which also returns
-rstd) and the backward is written out from the saved rstd: with autograd recording, `F.rms_norm` on a CPU falls back
-to the composite pow/mean/add/rsqrt/mul chain, and its PowBackward0 alone was ~15% of a flash-25m backward pass.
-(PyTorch has no CPU kernel for `_fused_rms_norm_backward`.)
+`weight=False` gives the unweighted norm. Forward and backward are written out (an autograd Function keeping only
+rstd): with autograd recording, `F.rms_norm` on a CPU falls back to the composite pow/mean/add/rsqrt/mul chain, and
+its PowBackward0 alone was ~15% of a flash-25m backward pass.
 """
 
 from __future__ import annotations
@@ -18,7 +17,12 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        # rstd from one vector_norm: mean(x^2) = |x|^2 / C (ATen's CPU _fused_rms_norm is itself a 20-op composite)
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        rstd = torch.addcmul(x.new_full((), eps), norm, norm, value=1.0 / x.shape[-1]).rsqrt_()
+        y = x * rstd
+        if weight is not None:
+            y.mul_(weight)
         ctx.save_for_backward(x, rstd, weight)
         return y
 
