@@ -325,3 +325,24 @@ def test_inference_weight_cache_follows_parameter_updates():
     layer.load_state_dict(other.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(layer(x)[0], other(x)[0], rtol=0, atol=1e-6)
+
+
+def test_state_scan_backward_gradcheck_and_equals_the_loop():
+    """The hand-written hand-off S_{n+1} = P_n S_n + R_n: gradcheck (float64) and forward/grads of the plain loop."""
+    from glm_lightning.model.kda import StateScan
+
+    torch.manual_seed(0)
+    P, R, S0 = torch.randn(3, 2, 4, 4) * 0.5, torch.randn(3, 2, 4, 5), torch.randn(2, 4, 5)
+    args = tuple(t.double().requires_grad_() for t in (P, R, S0))
+    assert torch.autograd.gradcheck(StateScan.apply, args)
+    a = tuple(t.clone().requires_grad_() for t in (P, R, S0))
+    b = tuple(t.clone().requires_grad_() for t in (P, R, S0))
+    out = StateScan.apply(*a)
+    states = [b[2]]
+    for n in range(3):
+        states.append(torch.baddbmm(b[1][n], b[0][n], states[-1]))
+    ref = torch.stack(states)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    w = torch.randn_like(ref)
+    for x, y in zip(torch.autograd.grad((out * w).sum(), a), torch.autograd.grad((ref * w).sum(), b)):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)

@@ -20,7 +20,7 @@ GLM-5.3 "safe gate" (``g = lb * sigmoid(...)``, ``lb = -5``, so every log decay 
 
   Everything except the state hand-off is computed for all chunks at once. The hand-off is rewritten as
   ``S' = P S + R`` with ``P = Diag(Gamma_C) - ((Gamma_C/Gamma) K)^T W`` and ``R = ((Gamma_C/Gamma) K)^T U``, so the
-  Python loop over chunks is one batched matmul-add per chunk; the outputs are then ``Aqk U + (Gamma Q - Aqk W) S_c``
+  Python loop over chunks is one batched matmul-add per chunk (:class:`StateScan`, with a hand-written backward); the outputs are then ``Aqk U + (Gamma Q - Aqk W) S_c``
   for all chunks at once (``S_c`` the state entering chunk c).
 * fp32 safety of the factorised ``exp(G_i - G_j) = exp(G_i - ref) exp(ref - G_j)``: the reference is taken per row
   block of at most 16 rows (fewer if the gate bound needs it), at the block's first row; for C = 32 that is the chunk
@@ -66,7 +66,7 @@ from torch import Tensor, nn
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.norm import RMSNorm
 
-__all__ = ["KDACache", "KDAttention", "kda_chunked", "kda_recurrent"]
+__all__ = ["KDACache", "KDAttention", "StateScan", "kda_chunked", "kda_recurrent"]
 
 
 def _f32(t: Tensor) -> Tensor:
@@ -132,6 +132,35 @@ def kda_recurrent(
         outs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))           # S^T q_t
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
     return o, S
+
+
+class StateScan(torch.autograd.Function):
+    """The chunk hand-off S_{n+1} = P_n S_n + R_n for n < N: P [N, M, K, K], R [N, M, K, V], S_0 [M, K, V] ->
+    all states [N + 1, M, K, V] (S_0 first).
+
+    The one sequential part of the chunked form, written with its backward so that autograd does not record (and
+    replay) N baddbmm / unbind / stack nodes:  dS_n = dS_n(direct) + P_n^T dS_{n+1},  dR_n = dS_{n+1},
+    dP_n = dS_{n+1} S_n^T (the last two for all n at once).
+    """
+
+    @staticmethod
+    def forward(ctx, P: Tensor, R: Tensor, S0: Tensor) -> Tensor:
+        N = P.shape[0]
+        S_all = R.new_empty(N + 1, *S0.shape)
+        S_all[0] = S0
+        for n in range(N):
+            torch.baddbmm(R[n], P[n], S_all[n], out=S_all[n + 1])
+        ctx.save_for_backward(P, S_all)
+        return S_all
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        P, S_all = ctx.saved_tensors
+        g = grad.clone()
+        for n in reversed(range(P.shape[0])):
+            g[n].baddbmm_(P[n].transpose(1, 2), g[n + 1])
+        g_next = g[1:]
+        return torch.matmul(g_next, S_all[:-1].transpose(-1, -2)), g_next, g[0]
 
 
 def kda_chunked(
@@ -204,15 +233,11 @@ def kda_chunked(
     O_intra = OQ[..., :V]
     Q_eff = Gam * q - OQ[..., V:]                                       # [N, B, H, C, K]
 
-    states = []
-    S = S.reshape(B * H, K, V)
-    for P_n, R_n in zip(P.reshape(N, B * H, K, K).unbind(0), R.reshape(N, B * H, K, V).unbind(0)):
-        states.append(S)  # state hand-off: the only sequential part
-        S = torch.baddbmm(R_n, P_n, S)
-    S_in = torch.stack(states, dim=0)                                   # [N, B*H, K, V] chunk-start states
+    S_all = StateScan.apply(P.reshape(N, B * H, K, K), R.reshape(N, B * H, K, V), S.reshape(B * H, K, V))
+    S_in = S_all[:N]                                                    # [N, B*H, K, V] chunk-start states
     o = torch.baddbmm(O_intra.reshape(-1, C, V), Q_eff.reshape(-1, C, K), S_in.reshape(-1, K, V))
     o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
-    return o, S.view(B, H, K, V)
+    return o, S_all[N].view(B, H, K, V)
 
 
 def _delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> Tensor:
