@@ -116,7 +116,7 @@ def test_module_shapes_param_names_and_count():
     cfg = GLMConfig()
     layer = KDAttention(cfg)
     x = torch.randn(2, 13, cfg.d_model)
-    assert layer(x).shape == x.shape
+    assert layer(x)[0].shape == x.shape
     names = dict(layer.named_parameters())
     assert names["A_log"].shape == (cfg.n_heads,) and names["dt_bias"].shape == (cfg.n_heads * cfg.head_dim,)
     assert torch.all(names["A_log"] == 0)
@@ -136,7 +136,7 @@ def test_module_causality_bit_identical(t0):
     x2 = x.clone()
     x2[:, t0:] += 3.0 * torch.randn_like(x2[:, t0:])
     with torch.no_grad():
-        y, y2 = layer(x), layer(x2)
+        y, y2 = layer(x)[0], layer(x2)[0]
     assert torch.equal(y[:, :t0], y2[:, :t0])
     assert not torch.allclose(y[:, t0:], y2[:, t0:])
 
@@ -152,10 +152,10 @@ def test_left_padding_equals_unpadded_rows():
         x[i, T - n:] = xi[0]
         valid[i, T - n:] = True
     with torch.no_grad():
-        y = layer(x, valid=valid)
+        y = layer(x, valid=valid)[0]
         assert torch.isfinite(y).all()
         for i, (n, xi) in enumerate(zip(lengths, xs)):
-            torch.testing.assert_close(y[i, T - n:], layer(xi)[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(y[i, T - n:], layer(xi)[0][0], rtol=0, atol=1e-5)
         # and with a cache: the final state of a padded row equals that of the unpadded row
         cache = KDACache.empty(len(lengths), _cfg())
         layer(x, valid=valid, cache=cache)
@@ -175,7 +175,7 @@ def test_pad_steps_leave_the_state_unchanged(T):
     before = cache.state.clone()
     valid = torch.tensor([[False] * T, [True] * T, [False] * T])
     with torch.no_grad():
-        y = layer(torch.randn(3, T, 32), valid=valid, cache=cache)
+        y = layer(torch.randn(3, T, 32), valid=valid, cache=cache)[0]
     assert torch.isfinite(y).all()
     assert torch.equal(cache.state[0], before[0]) and torch.equal(cache.state[2], before[2])
     assert not torch.allclose(cache.state[1], before[1])
@@ -189,11 +189,11 @@ def test_prefill_then_decode_equals_full_forward(t):
     valid = torch.ones(2, T, dtype=torch.bool)
     valid[1, :5] = False  # a left-padded row
     with torch.no_grad():
-        full = layer(x, valid=valid)
+        full = layer(x, valid=valid)[0]
         cache = KDACache.empty(2, _cfg())
-        outs = [layer(x[:, :t], valid=valid[:, :t], cache=cache)]
+        outs = [layer(x[:, :t], valid=valid[:, :t], cache=cache)[0]]
         for i in range(t, T):
-            outs.append(layer(x[:, i:i + 1], valid=valid[:, i:i + 1], cache=cache))
+            outs.append(layer(x[:, i:i + 1], valid=valid[:, i:i + 1], cache=cache)[0])
     got = torch.cat(outs, dim=1)
     torch.testing.assert_close(got[valid], full[valid], rtol=0, atol=1e-5)
     assert torch.isfinite(got).all()
@@ -204,10 +204,10 @@ def test_two_part_prefill_equals_one_prefill():
     x = torch.randn(2, 19, 32)
     with torch.no_grad():
         c1 = KDACache.empty(2, _cfg())
-        y1 = layer(x, cache=c1)
+        y1 = layer(x, cache=c1)[0]
         for split in (2, 11):
             c2 = KDACache.empty(2, _cfg())
-            y2 = torch.cat([layer(x[:, :split], cache=c2), layer(x[:, split:], cache=c2)], dim=1)
+            y2 = torch.cat([layer(x[:, :split], cache=c2)[0], layer(x[:, split:], cache=c2)[0]], dim=1)
             torch.testing.assert_close(y2, y1, rtol=0, atol=1e-5)
             torch.testing.assert_close(c2.state, c1.state, rtol=0, atol=1e-5)
             torch.testing.assert_close(c2.conv_state, c1.conv_state, rtol=0, atol=1e-6)
@@ -227,11 +227,11 @@ def test_repeat_interleave_and_index_select_cache():
         layer(prompts, cache=cache)
         rep = cache.repeat_interleave(G)
         assert rep.state.shape[0] == rep.conv_state.shape[0] == 2 * G
-        ys = torch.cat([layer(cont[:, i:i + 1], cache=rep) for i in range(cont.shape[1])], dim=1)
+        ys = torch.cat([layer(cont[:, i:i + 1], cache=rep)[0] for i in range(cont.shape[1])], dim=1)
         for r in range(2 * G):
             c = KDACache.empty(1, _cfg())
             layer(prompts[r // G: r // G + 1], cache=c)
-            y_r = torch.cat([layer(cont[r:r + 1, i:i + 1], cache=c) for i in range(cont.shape[1])], dim=1)
+            y_r = torch.cat([layer(cont[r:r + 1, i:i + 1], cache=c)[0] for i in range(cont.shape[1])], dim=1)
             torch.testing.assert_close(ys[r:r + 1], y_r, rtol=0, atol=1e-5)
             torch.testing.assert_close(rep.state[r:r + 1], c.state, rtol=0, atol=1e-5)
         rows = torch.tensor([4, 1])
@@ -260,7 +260,7 @@ def test_gate_bounds_and_unit_norms():
 def test_every_parameter_gets_a_gradient():
     layer = _layer(seed=7)
     x = torch.randn(2, 20, 32)
-    loss = (layer(x) * torch.randn(2, 20, 32)).sum()
+    loss = (layer(x)[0] * torch.randn(2, 20, 32)).sum()
     loss.backward()
     for name, p in layer.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
@@ -273,17 +273,17 @@ def test_cached_forward_keeps_autograd_graph_and_mixed_modes():
     layer = _layer(seed=8)
     x = torch.randn(1, 9, 32, requires_grad=True)
     with torch.no_grad():
-        ref = layer(x)
+        ref = layer(x)[0]
     cache = KDACache.empty(1, _cfg())
-    y = torch.cat([layer(x[:, :5], cache=cache), layer(x[:, 5:6], cache=cache), layer(x[:, 6:], cache=cache)], 1)
+    y = torch.cat([layer(x[:, :5], cache=cache)[0], layer(x[:, 5:6], cache=cache)[0], layer(x[:, 6:], cache=cache)[0]], 1)
     torch.testing.assert_close(y, ref, rtol=0, atol=1e-5)
     (y.sum() + cache.state.sum()).backward()
     assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
     with torch.inference_mode():
         cache = KDACache.empty(1, _cfg())
-        outs = [layer(x[:, :4], cache=cache)]
+        outs = [layer(x[:, :4], cache=cache)[0]]
     with torch.no_grad():
-        outs += [layer(x[:, i:i + 1], cache=cache) for i in range(4, 9)]
+        outs += [layer(x[:, i:i + 1], cache=cache)[0] for i in range(4, 9)]
     torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=0, atol=1e-5)
 
 
@@ -307,7 +307,7 @@ def test_module_matches_formula_reference():
         gate = torch.sigmoid(layer.g_b_proj(layer.g_a_proj(x))).reshape(B, T, H, K)
         o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + cfg.norm_eps) * layer.o_norm.weight
         ref = layer.o_proj((o * gate).reshape(B, T, H * K))
-        torch.testing.assert_close(layer(x), ref, rtol=0, atol=2e-6)
+        torch.testing.assert_close(layer(x)[0], ref, rtol=0, atol=2e-6)
 
 
 def test_inference_weight_cache_follows_parameter_updates():
@@ -316,12 +316,33 @@ def test_inference_weight_cache_follows_parameter_updates():
     x = torch.randn(2, 6, 32)
     with torch.no_grad():
         layer(x)  # fills the cache
-    layer(x).square().sum().backward()
+    layer(x)[0].square().sum().backward()
     torch.optim.SGD(layer.parameters(), lr=0.5).step()
     with torch.no_grad():
-        after_step = layer(x)
-    torch.testing.assert_close(after_step, layer(x).detach(), rtol=0, atol=1e-6)
+        after_step = layer(x)[0]
+    torch.testing.assert_close(after_step, layer(x)[0].detach(), rtol=0, atol=1e-6)
     other = _layer(seed=11)
     layer.load_state_dict(other.state_dict())
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), other(x), rtol=0, atol=1e-6)
+        torch.testing.assert_close(layer(x)[0], other(x)[0], rtol=0, atol=1e-6)
+
+
+def test_state_scan_backward_gradcheck_and_equals_the_loop():
+    """The hand-written hand-off S_{n+1} = P_n S_n + R_n: gradcheck (float64) and forward/grads of the plain loop."""
+    from glm_lightning.model.kda import StateScan
+
+    torch.manual_seed(0)
+    P, R, S0 = torch.randn(3, 2, 4, 4) * 0.5, torch.randn(3, 2, 4, 5), torch.randn(2, 4, 5)
+    args = tuple(t.double().requires_grad_() for t in (P, R, S0))
+    assert torch.autograd.gradcheck(StateScan.apply, args)
+    a = tuple(t.clone().requires_grad_() for t in (P, R, S0))
+    b = tuple(t.clone().requires_grad_() for t in (P, R, S0))
+    out = StateScan.apply(*a)
+    states = [b[2]]
+    for n in range(3):
+        states.append(torch.baddbmm(b[1][n], b[0][n], states[-1]))
+    ref = torch.stack(states)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    w = torch.randn_like(ref)
+    for x, y in zip(torch.autograd.grad((out * w).sum(), a), torch.autograd.grad((ref * w).sum(), b)):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)

@@ -112,3 +112,42 @@ def test_stream_write_matches_autograd_of_the_plain_formula():
     torch.testing.assert_close(StreamWrite.apply(*args), plain)
     h = read_streams(post, x)
     torch.testing.assert_close(h, torch.einsum("btn,btnc->btc", post, x))
+
+
+def _sinkhorn_autograd(logits, iters=20, eps=1e-6):
+    """The same iterations on the natural layout, differentiated by autograd (the naive reference)."""
+    m = torch.softmax(logits, dim=-1) + eps
+    m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(dim=-1, keepdim=True) + eps)
+        m = m / (m.sum(dim=-2, keepdim=True) + eps)
+    return m
+
+
+def test_sinkhorn_hand_written_backward_gradcheck():
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 3, 4, 4, dtype=torch.float64) * 2).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: sinkhorn_knopp(x, iters=5), (logits,))
+
+
+def test_sinkhorn_backward_equals_autograd_of_the_iterations_fp32():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 7, 4, 4) * 2 + 4 * torch.eye(4)
+    weight = torch.randn(6, 7, 4, 4)
+    a = logits.clone().requires_grad_()
+    b = logits.clone().requires_grad_()
+    out_a, out_b = sinkhorn_knopp(a), _sinkhorn_autograd(b)
+    torch.testing.assert_close(out_a, out_b, atol=1e-6, rtol=1e-5)
+    (out_a * weight).sum().backward()
+    (out_b * weight).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_stream_write_two_streams_gradcheck():
+    """n = 2 takes the broadcast multiply-add path instead of a batched matmul."""
+    torch.manual_seed(0)
+    args = (torch.rand(2, 3, 2, 2), torch.randn(2, 3, 2, 5), torch.rand(2, 3, 2), torch.randn(2, 3, 5))
+    args = tuple(a.double().requires_grad_() for a in args)
+    assert torch.autograd.gradcheck(StreamWrite.apply, args)
+    res, x, post, y = args
+    torch.testing.assert_close(StreamWrite.apply(*args), torch.matmul(res, x) + post.unsqueeze(-1) * y.unsqueeze(-2))

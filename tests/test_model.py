@@ -98,9 +98,15 @@ def test_seed_fixes_init():
 def test_bad_input_errors():
     model = tiny()
     with pytest.raises(ValueError, match="token ids"):
-        model(torch.tensor([[1, 2, model.cfg.vocab_size]]))
+        model.check_ids(torch.tensor([[1, 2, model.cfg.vocab_size]]))
     with pytest.raises(ValueError, match="token ids"):
-        model(torch.tensor([[-1, 2]]))
+        model.check_ids(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match="integer"):
+        model.check_ids(torch.zeros(1, 4))
+    model.check_ids(torch.tensor([[0, model.cfg.vocab_size - 1]]))  # the range ends are fine
+    # the forward itself does not sync on the range (checked at the API boundary); a bad id still fails loudly
+    with pytest.raises(IndexError):
+        model(torch.tensor([[1, 2, model.cfg.vocab_size]]))
     with pytest.raises(ValueError, match="exceeds the configured context"):
         model(torch.zeros(1, model.cfg.max_seq_len + 1, dtype=torch.long))
     with pytest.raises(ValueError, match="integer"):

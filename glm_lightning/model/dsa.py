@@ -323,64 +323,91 @@ class SparseAttention(nn.Module):
     # --- forward ----------------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None,
                 cache: DSACache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T, _ = x.shape
+        """x [B, T, C] -> (y [B, T, C], weighted indexer loss). Two regimes: a full sequence (training, scoring;
+        no cache) or an incremental call that appends to `cache` (prefill, decode)."""
         if valid is not None:
             valid = valid.to(torch.bool)
-        start = 0
-        if cache is not None:
-            cache.check_append(B, T)
-            start = cache.length
+        if cache is None:
+            return self._forward_full(x, valid)
+        return self._forward_cached(x, valid, cache)
+
+    def _forward_full(self, x: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole sequences from position 0: causal SDPA when T <= top_k (the exact dense bypass), else SDPA masked
+        to the indexer's top-k keys."""
+        B, T, _ = x.shape
+        positions = torch.arange(T, device=x.device)
+        want_loss = self.training and torch.is_grad_enabled()
+        sparse = T > self.top_k
+        q, k, v = self._qkv(x, positions)
+        scores = None
+        if sparse or want_loss:
+            scores = self._index_scores(x, positions)
+        if not sparse and valid is None:
+            attn_mask, loss_keys = None, None
+        else:
+            allowed = _allowed_keys(T, T, 0, valid, x.device)
+            loss_keys = topk_mask(scores, allowed, self.top_k) if sparse else allowed
+            # without padding every query keeps >= 1 key (key 0); with padding, pad queries may keep none
+            attn_mask = loss_keys if valid is None else _fill_empty_rows(loss_keys, 0)
+        y = self._out(self._sdpa(q, k, v, attn_mask))
+        if not want_loss:
+            return y, x.new_zeros(())
+        if loss_keys is None:
+            loss_keys = _allowed_keys(T, T, 0, None, x.device)
+        return y, self._indexer_loss(q, k, scores, loss_keys, attn_mask, valid)
+
+    def _forward_cached(self, x: torch.Tensor, valid: torch.Tensor | None,
+                        cache: DSACache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append T tokens to the cache and attend over everything cached: the dense bypass while the cache holds
+        <= top_k keys, then SDPA masked to the top-k keys, or for one-token decode over a long cache a gather of the
+        k selected keys."""
+        B, T, _ = x.shape
+        cache.check_append(B, T)
+        start = cache.length
         S = start + T
         positions = torch.arange(start, S, device=x.device)
         want_loss = self.training and torch.is_grad_enabled()
         sparse = S > self.top_k
-
         q, k, v = self._qkv(x, positions)
-        xi = x.detach()  # stage 2: the indexer learns only from its KL loss
-        iq = iw = ik = None
+        xi = x.detach()  # the indexer learns only from its KL loss
+        cache.append(k, v, self.indexer.key(xi, positions), valid)
+        k, v, ik = cache.k[:, :, :S], cache.v[:, :, :S], cache.index_k[:, :S]
+        allowed = _allowed_keys(T, S, start, cache.key_valid[:, :S], x.device)
+        scores = None
         if sparse or want_loss:
             iq, iw = self.indexer.query(xi, positions)
-        if sparse or want_loss or cache is not None:
-            ik = self.indexer.key(xi, positions)
-
-        key_valid = valid
-        if cache is not None:
-            cache.append(k, v, ik, valid)
-            k, v, ik = cache.k[:, :, :S], cache.v[:, :, :S], cache.index_k[:, :S]
-            key_valid = cache.key_valid[:, :S]
-
-        scores = None
-        if not sparse:  # exact dense bypass
-            if key_valid is None and start == 0:
-                attn_mask = None
-                loss_keys = _allowed_keys(T, S, 0, None, x.device)
-            else:
-                loss_keys = _allowed_keys(T, S, start, key_valid, x.device)
-                attn_mask = _fill_empty_rows(loss_keys, start)
-            out = self._sdpa(q, k, v, attn_mask)
-        else:
-            allowed = _allowed_keys(T, S, start, key_valid, x.device)
             scores = lightning_index_scores(iq, iw, ik)
-            if cache is not None and T == 1 and not want_loss and S >= self.decode_gather_min_keys:
-                # long-context decode: gather the k selected keys/values instead of masking all S
-                indices, selected = topk_select(scores, allowed, self.top_k)
-                out = self._gathered_attention(q, cache.k, cache.v, indices[:, 0], selected[:, 0])
-                loss_keys = attn_mask = None
-            else:
-                loss_keys = topk_mask(scores, allowed, self.top_k)
-                # without padding every query keeps >= 1 key (key 0); with padding, pad queries may keep none
-                attn_mask = loss_keys if key_valid is None else _fill_empty_rows(loss_keys, start)
-                out = self._sdpa(q, k, v, attn_mask)
-
-        y = self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        if not sparse:
+            loss_keys = allowed
+        elif T == 1 and not want_loss and S >= self.decode_gather_min_keys:
+            # long-context decode: gather the k selected keys/values instead of masking all S
+            indices, selected = topk_select(scores, allowed, self.top_k)
+            return self._out(self._gathered_attention(q, cache.k, cache.v, indices[:, 0], selected[:, 0])), \
+                x.new_zeros(())
+        else:
+            loss_keys = topk_mask(scores, allowed, self.top_k)
+        attn_mask = _fill_empty_rows(loss_keys, start)
+        y = self._out(self._sdpa(q, k, v, attn_mask))
         if not want_loss:
             return y, x.new_zeros(())
-        if scores is None:
-            scores = lightning_index_scores(iq, iw, ik)
+        return y, self._indexer_loss(q, k, scores, loss_keys, attn_mask, valid)
+
+    def _index_scores(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Lightning-indexer scores [B, T, T] of a full sequence, from x.detach() (stage-2 training)."""
+        xi = x.detach()
+        iq, iw = self.indexer.query(xi, positions)
+        return lightning_index_scores(iq, iw, self.indexer.key(xi, positions))
+
+    def _out(self, out: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def _indexer_loss(self, q: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, loss_keys: torch.Tensor,
+                      attn_mask: torch.Tensor | None, valid: torch.Tensor | None) -> torch.Tensor:
+        """Weighted KL of the indexer to the detached head-summed main attention over the key set."""
         with torch.no_grad():
             p = head_summed_attention_probs(q, k, loss_keys if attn_mask is None else attn_mask)
-        loss = indexer_kl_loss(p, scores, loss_keys, valid)
-        return y, loss * self.loss_weight
+        return indexer_kl_loss(p, scores, loss_keys, valid) * self.loss_weight
 
     def _gathered_attention(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, indices: torch.Tensor,
                             selected: torch.Tensor) -> torch.Tensor:

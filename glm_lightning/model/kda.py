@@ -1,7 +1,7 @@
 """Kimi Delta Attention (KDA), the linear-attention token mixer of the "L" layers.
 
 Follows Kimi Linear (arXiv 2510.26692, "Kimi Linear: An Expressive, Efficient Attention Architecture"), with the
-GLM-5.3 "safe gate" and the settings in ``/work/shared/reference/architecture.md`` sections 4 and 9:
+GLM-5.3 "safe gate" (``g = lb * sigmoid(...)``, ``lb = -5``, so every log decay lies in ``(lb, 0)``):
 
 * the gated delta rule with a **per-head, per-key-channel** decay (fine-grained ``Diag(exp g_t)``)::
 
@@ -20,7 +20,7 @@ GLM-5.3 "safe gate" and the settings in ``/work/shared/reference/architecture.md
 
   Everything except the state hand-off is computed for all chunks at once. The hand-off is rewritten as
   ``S' = P S + R`` with ``P = Diag(Gamma_C) - ((Gamma_C/Gamma) K)^T W`` and ``R = ((Gamma_C/Gamma) K)^T U``, so the
-  Python loop over chunks is one batched matmul-add per chunk; the outputs are then ``Aqk U + (Gamma Q - Aqk W) S_c``
+  Python loop over chunks is one batched matmul-add per chunk (:class:`StateScan`, with a hand-written backward); the outputs are then ``Aqk U + (Gamma Q - Aqk W) S_c``
   for all chunks at once (``S_c`` the state entering chunk c).
 * fp32 safety of the factorised ``exp(G_i - G_j) = exp(G_i - ref) exp(ref - G_j)``: the reference is taken per row
   block of at most 16 rows (fewer if the gate bound needs it), at the block's first row; for C = 32 that is the chunk
@@ -66,7 +66,12 @@ from torch import Tensor, nn
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.norm import RMSNorm
 
-__all__ = ["KDACache", "KDAttention", "kda_chunked", "kda_recurrent"]
+__all__ = ["KDACache", "KDAttention", "StateScan", "kda_chunked", "kda_recurrent"]
+
+
+def _f32(t: Tensor) -> Tensor:
+    """t in fp32 (``t.float()`` without the no-op op call when it already is)."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def _compute_dtype(*xs: Tensor) -> torch.dtype:
@@ -115,7 +120,7 @@ def kda_recurrent(
     B, T, H, K = q.shape
     V = v.shape[-1]
     dt = _compute_dtype(q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x if x.dtype == dt else x.to(dt) for x in (q, k, v, g, beta))
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
     decay = g.exp()
     outs = []
@@ -127,6 +132,35 @@ def kda_recurrent(
         outs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2))           # S^T q_t
     o = torch.stack(outs, dim=1) if outs else v.new_zeros(B, 0, H, V)
     return o, S
+
+
+class StateScan(torch.autograd.Function):
+    """The chunk hand-off S_{n+1} = P_n S_n + R_n for n < N: P [N, M, K, K], R [N, M, K, V], S_0 [M, K, V] ->
+    all states [N + 1, M, K, V] (S_0 first).
+
+    The one sequential part of the chunked form, written with its backward so that autograd does not record (and
+    replay) N baddbmm / unbind / stack nodes:  dS_n = dS_n(direct) + P_n^T dS_{n+1},  dR_n = dS_{n+1},
+    dP_n = dS_{n+1} S_n^T (the last two for all n at once).
+    """
+
+    @staticmethod
+    def forward(ctx, P: Tensor, R: Tensor, S0: Tensor) -> Tensor:
+        N = P.shape[0]
+        S_all = R.new_empty(N + 1, *S0.shape)
+        S_all[0] = S0
+        for n in range(N):
+            torch.baddbmm(R[n], P[n], S_all[n], out=S_all[n + 1])
+        ctx.save_for_backward(P, S_all)
+        return S_all
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        P, S_all = ctx.saved_tensors
+        g = grad.clone()
+        for n in reversed(range(P.shape[0])):
+            g[n].baddbmm_(P[n].transpose(1, 2), g[n + 1])
+        g_next = g[1:]
+        return torch.matmul(g_next, S_all[:-1].transpose(-1, -2)), g_next, g[0]
 
 
 def kda_chunked(
@@ -154,7 +188,7 @@ def kda_chunked(
         return v.new_zeros(B, 0, H, V, dtype=dt), S
     C = chunk_size
     pad = (-T) % C
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x if x.dtype == dt else x.to(dt) for x in (q, k, v, g, beta))
     if pad:  # identity steps: g = 0, beta = 0, k = 0 (q, v = 0 too; their outputs are dropped)
         q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
         beta = F.pad(beta, (0, 0, 0, pad))
@@ -199,25 +233,21 @@ def kda_chunked(
     O_intra = OQ[..., :V]
     Q_eff = Gam * q - OQ[..., V:]                                       # [N, B, H, C, K]
 
-    states = []
-    S = S.reshape(B * H, K, V)
-    for P_n, R_n in zip(P.reshape(N, B * H, K, K).unbind(0), R.reshape(N, B * H, K, V).unbind(0)):
-        states.append(S)  # state hand-off: the only sequential part
-        S = torch.baddbmm(R_n, P_n, S)
-    S_in = torch.stack(states, dim=0)                                   # [N, B*H, K, V] chunk-start states
+    S_all = StateScan.apply(P.reshape(N, B * H, K, K), R.reshape(N, B * H, K, V), S.reshape(B * H, K, V))
+    S_in = S_all[:N]                                                    # [N, B*H, K, V] chunk-start states
     o = torch.baddbmm(O_intra.reshape(-1, C, V), Q_eff.reshape(-1, C, K), S_in.reshape(-1, K, V))
     o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
-    return o, S.view(B, H, K, V)
+    return o, S_all[N].view(B, H, K, V)
 
 
 def _delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> Tensor:
     """One recurrent step written into S in place (decode, no autograd). q, k, g [B, H, K]; v [B, H, V]; beta [B, H];
     S [B, H, K, V] fp32. Returns o [B, H, V]."""
-    S.mul_(g.float().exp().unsqueeze(-1))                                     # Diag(exp g) S
-    kk = k.float().unsqueeze(-1)                                              # [B, H, K, 1]
-    e = v.float() - (kk.transpose(-1, -2) @ S).squeeze(-2)                    # v - S^T k
-    S.addcmul_(kk, (beta.float().unsqueeze(-1) * e).unsqueeze(-2))            # S += k (beta e)^T
-    return (q.float().unsqueeze(-2) @ S).squeeze(-2)                          # S^T q
+    S.mul_(_f32(g).exp().unsqueeze(-1))                                     # Diag(exp g) S
+    kk = _f32(k).unsqueeze(-1)                                              # [B, H, K, 1]
+    e = _f32(v) - (kk.transpose(-1, -2) @ S).squeeze(-2)                    # v - S^T k
+    S.addcmul_(kk, (_f32(beta).unsqueeze(-1) * e).unsqueeze(-2))            # S += k (beta e)^T
+    return (_f32(q).unsqueeze(-2) @ S).squeeze(-2)                          # S^T q
 
 
 def _writable(t: Tensor) -> bool:
@@ -288,6 +318,7 @@ class KDAttention(nn.Module):
         # per (q heads | k heads) divisor of the fused L2 norm: sqrt(K) for q (q / |q| * K^-0.5), 1 for k
         self.register_buffer("_qk_rescale", torch.tensor([K ** 0.5] * H + [1.0] * H).view(2 * H, 1), persistent=False)
         self._w_in_cache: tuple | None = None
+        self.register_buffer("_no_aux", torch.zeros(()), persistent=False)  # KDA's aux loss (none), not re-made per call
         self.reset_parameters()
 
     @torch.no_grad()
@@ -332,9 +363,9 @@ class KDAttention(nn.Module):
 
     def _gates(self, f1: Tensor, b: Tensor, B: int, T: int) -> tuple[Tensor, Tensor]:
         H, K = self.n_heads, self.head_dim
-        f = F.linear(f1.float(), self.f_b_proj.weight.float(), self.dt_bias.float()).view(B, T, H, K)  # W_f2 f1 + dt_b
-        g = self.lower_bound * torch.sigmoid(self.A_log.float().exp().view(H, 1) * f)
-        return g, torch.sigmoid(b.float())
+        f = F.linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias)).view(B, T, H, K)  # W_f2 f1 + dt_b
+        g = self.lower_bound * torch.sigmoid(_f32(self.A_log).exp().view(H, 1) * f)
+        return g, torch.sigmoid(_f32(b))
 
     def _in_weights(self) -> tuple[Tensor, Tensor]:
         """The fused input projections [W_q; W_k; W_v] and [W_f1; W_g1; W_b]. Rebuilt on every call while autograd
@@ -349,8 +380,10 @@ class KDAttention(nn.Module):
                 self._w_in_cache = (key, torch.cat(qkv), torch.cat(small))
         return self._w_in_cache[1], self._w_in_cache[2]
 
-    def forward(self, x: Tensor, valid: Tensor | None = None, cache: KDACache | None = None) -> Tensor:
-        """x [B, T, C] -> [B, T, C]. ``valid`` [B, T] bool (False = pad); ``cache`` is updated in place."""
+    def forward(self, x: Tensor, valid: Tensor | None = None,
+                cache: KDACache | None = None) -> tuple[Tensor, Tensor]:
+        """x [B, T, C] -> (y [B, T, C], aux loss: a zero scalar, KDA has none; the same contract as DSA's mixer).
+        ``valid`` [B, T] bool (False = pad); ``cache`` is updated in place."""
         q, k, v, g, beta, gate, raw = self._features(x, valid, cache)
         B, T, H, K = q.shape
         if cache is None:
@@ -366,8 +399,9 @@ class KDAttention(nn.Module):
                 o, S = kda_chunked(q, k, v, g, beta, self.chunk_size, initial_state=cache.state,
                                    gate_bound=-self.lower_bound)
             self._update_cache(cache, raw, S)
-        o = self.o_norm(o) * torch.sigmoid(gate.float().view(B, T, H, K))
-        return self.o_proj(o.reshape(B, T, H * K).to(x.dtype))
+        o = self.o_norm(o) * torch.sigmoid(_f32(gate).view(B, T, H, K))
+        o = o.reshape(B, T, H * K)
+        return self.o_proj(o if o.dtype == x.dtype else o.to(x.dtype)), self._no_aux
 
     def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None):
         """Everything before the recurrence: q, k (unit norm, q scaled), v, g, beta (fp32), the output-gate
@@ -384,7 +418,7 @@ class KDAttention(nn.Module):
             raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
         ctx = None if cache is None else cache.conv_state.transpose(1, 2).to(raw.dtype)
         y, raw_ext = self._short_conv(raw, ctx)
-        y = y.float()
+        y = _f32(y)
         # L2-normalise q and k together (eps 1e-6, as F.normalize) and fold q's K^-0.5 into the same division
         qk = y[..., :2 * HK].view(B, T, 2 * H, K)
         denom = torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(1e-6) * self._qk_rescale
@@ -402,7 +436,7 @@ class KDAttention(nn.Module):
     def _update_cache(self, cache: KDACache, raw_ext: Tensor, S: Tensor) -> None:
         ks = self.conv_size
         conv_state = raw_ext[:, raw_ext.shape[1] - (ks - 1):].transpose(1, 2)
-        state = S.float()
+        state = _f32(S)
         if (state.requires_grad or conv_state.requires_grad or not _writable(cache.state)
                 or not _writable(cache.conv_state)):
             # keep the autograd graph (or an inference tensor outside inference mode): rebind instead of writing

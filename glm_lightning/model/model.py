@@ -51,23 +51,13 @@ class Block(nn.Module):
 
     def forward(self, streams: torch.Tensor, valid: torch.Tensor | None = None,
                 cache: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        aux: list[torch.Tensor] = []
-
-        def mix(h: torch.Tensor) -> torch.Tensor:
-            out = self.mixer(self.mixer_norm(h), valid=valid, cache=cache)
-            if isinstance(out, tuple):  # DSA also returns its indexer loss
-                out, indexer_loss = out
-                aux.append(indexer_loss)
-            return out
-
-        def ffn(h: torch.Tensor) -> torch.Tensor:
-            out, balance_loss = self.moe(self.moe_norm(h))
-            aux.append(balance_loss)
-            return out
-
-        streams = self.hc_mixer(streams, mix)
-        streams = self.hc_moe(streams, ffn)
-        return streams, torch.stack(aux).sum()
+        """streams [B,T,n,C] -> (streams, aux loss of this block: DSA indexer loss + MoE balance loss)."""
+        h, maps = self.hc_mixer.read(streams)
+        y, mixer_aux = self.mixer(self.mixer_norm(h), valid=valid, cache=cache)
+        streams = self.hc_mixer.write(streams, maps, y)
+        h, maps = self.hc_moe.read(streams)
+        y, moe_aux = self.moe(self.moe_norm(h))
+        return self.hc_moe.write(streams, maps, y), mixer_aux + moe_aux
 
 
 class GLMModel(nn.Module):
@@ -114,6 +104,9 @@ class GLMModel(nn.Module):
 
     def _embed_checked(self, input_ids: torch.Tensor | None, input_embeds: torch.Tensor | None,
                        cache: ModelCache | None) -> torch.Tensor:
+        """Shape, dtype and context checks (no host sync), then the embedding. The id *range* is checked by
+        `check_ids` at the API boundary (generation, datasets), not here: min/max would sync on every forward; an
+        out-of-range id still fails loudly, in the embedding lookup."""
         if (input_ids is None) == (input_embeds is None):
             raise ValueError("pass exactly one of input_ids or input_embeds")
         if input_embeds is not None:
@@ -121,7 +114,7 @@ class GLMModel(nn.Module):
                 raise ValueError(f"input_embeds must be [B, T, {self.cfg.d_model}], got {tuple(input_embeds.shape)}")
             length = input_embeds.shape[1]
         else:
-            self.check_ids(input_ids)
+            self._check_id_tensor(input_ids)
             length = input_ids.shape[1]
         past = 0 if cache is None else cache.length
         if past + length > self.cfg.max_seq_len:
@@ -129,12 +122,16 @@ class GLMModel(nn.Module):
                              f"max_seq_len={self.cfg.max_seq_len}")
         return input_embeds if input_embeds is not None else self.embed(input_ids)
 
-    def check_ids(self, input_ids: torch.Tensor) -> None:
-        """Raise a clear error for a non-[B,T] / non-integer / out-of-range id tensor."""
+    @staticmethod
+    def _check_id_tensor(input_ids: torch.Tensor) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError("input_ids must be a LongTensor of shape [B, T]")
         if input_ids.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+
+    def check_ids(self, input_ids: torch.Tensor) -> None:
+        """Raise a clear error for a non-[B,T] / non-integer / out-of-range id tensor (the API-boundary check)."""
+        self._check_id_tensor(input_ids)
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}); got range "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")

@@ -48,11 +48,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     d_rot = cos.shape[-1]
     if d_rot > x.shape[-1]:
         raise ValueError(f"rotary dim {d_rot} exceeds the feature dim {x.shape[-1]}")
-    xf = x.float()
+    xf = x if x.dtype == torch.float32 else x.float()
     if d_rot == x.shape[-1]:
-        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
-    xr, xp = xf[..., :d_rot], xf[..., d_rot:]
-    return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1).to(x.dtype)
+        out = xf * cos + rotate_half(xf) * sin
+    else:
+        xr, xp = xf[..., :d_rot], xf[..., d_rot:]
+        out = torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
