@@ -98,7 +98,16 @@ class Zygote:
 
     # -- fork, supervise, collect --------------------------------------------------------------------------------
     def run_job(self) -> bool:
-        """Fork a child that reads one job from stdin; relay its result. Returns False when stdin is closed."""
+        """Fork a child that reads one job from stdin; relay its result. Returns False when stdin is closed.
+
+        The zygote only polls stdin (it never reads it), so no process sits idle between jobs and no job byte ever
+        enters this process.
+        """
+        poller = select.poll()
+        poller.register(0, select.POLLIN)
+        events = poller.poll()[0][1]
+        if not events & select.POLLIN:
+            return False  # hang-up without data: the parent closed us
         workdir = self._make_workdir()
         ctl_r, ctl_w = os.pipe()
         res_r, res_w = os.pipe()
