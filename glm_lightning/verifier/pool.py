@@ -119,7 +119,9 @@ class ZygoteProcess:
     def __init__(self, scratch: str, uid: int | None, gid: int | None, memory_mb: int, timeout_s: float) -> None:
         self.scratch = scratch
         self.config = {"uid": uid, "gid": gid, "scratch": scratch, "memory_mb": memory_mb, "timeout_s": timeout_s,
-                       "isolate": os.environ.get("GLM_VERIFIER_NO_NAMESPACES") != "1"}
+                       "isolate": os.environ.get("GLM_VERIFIER_NO_NAMESPACES") != "1",
+                       # Test-only switch: shows what the kernel layer contains on its own. Never set in training.
+                       "audit_hook": os.environ.get("GLM_VERIFIER_UNSAFE_NO_AUDIT_HOOK") != "1"}
         self.proc: subprocess.Popen | None = None
         self.hello: dict[str, Any] = {}
 

@@ -100,7 +100,7 @@ class Verifier:
             "unprivileged_uid": probe.get("uid") if probe.get("uid") not in (None, 0) else None,
             "nproc_enforced": bool(probe.get("fork_blocked")),
             "outside_write_blocked": bool(probe.get("outside_write_blocked")),
-            "audit_hook": True,
+            "audit_hook": bool(zygote.config.get("audit_hook", True)),
             "violations_fatal": True,
             "rlimits": {"cpu_s": int(self.timeout_s) + 2, "address_space_mb": self.memory_mb,
                         "file_size_bytes": child.FILE_SIZE_LIMIT, "open_files": child.OPEN_FILES_LIMIT,

@@ -68,12 +68,14 @@ class Zygote:
         self.wipe_dirs = [p for p in SHARED_TMP if p in private]  # ours to empty: private to this namespace
         self.sweep_dirs = [p for p in SHARED_TMP if p not in private and config.get("uid") is not None]
         self.stage_r, self.stage_w = os.pipe()
-        try:
-            fcntl.fcntl(self.stage_w, fcntl.F_SETPIPE_SZ, int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES)))
-        except OSError:
-            pass
-        self.max_result_bytes = min(int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES)),
-                                    fcntl.fcntl(self.stage_w, fcntl.F_GETPIPE_SZ))
+        wanted = int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES))
+        for size in (4 * wanted, 2 * wanted, wanted):  # slack: spliced pages may be partly filled
+            try:
+                fcntl.fcntl(self.stage_w, fcntl.F_SETPIPE_SZ, size)
+                break
+            except OSError:
+                continue
+        self.max_result_bytes = min(wanted, fcntl.fcntl(self.stage_w, fcntl.F_GETPIPE_SZ))
         os.set_blocking(self.stage_w, False)
 
     # -- per-job working directory -------------------------------------------------------------------------------
@@ -192,6 +194,8 @@ class Zygote:
                 break
             if pipe_open and res_r in ready:
                 moved = self._splice(res_r, size)
+                if moved == -1 and ready[res_r] & select.POLLIN:
+                    moved = None  # readable, yet nothing moved: the staging pipe is full
                 if moved is None:
                     truncated = True
                     break
