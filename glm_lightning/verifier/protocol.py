@@ -170,8 +170,11 @@ def decode(tagged: Any, _depth: int = 0, untrusted: bool = False) -> Any:
                 if type(pair) is not list or len(pair) != 2:
                     raise DecodeError("malformed dict item")
             if untrusted:
-                return Pairs([(canonical(pair[0]), decode(pair[0], _depth + 1, True), decode(pair[1], _depth + 1, True))
-                              for pair in tagged[1]])
+                items = []
+                for index, (key_tag, value_tag) in enumerate(tagged[1]):
+                    key = decode(key_tag, _depth + 1, True)
+                    items.append((canonical(key, index), key, decode(value_tag, _depth + 1, True)))
+                return Pairs(items)
             out = {}
             for pair in tagged[1]:
                 out[decode(pair[0], _depth + 1)] = decode(pair[1], _depth + 1)
@@ -183,9 +186,13 @@ def decode(tagged: Any, _depth: int = 0, untrusted: bool = False) -> Any:
     raise DecodeError(f"unknown tag {tag!r}")
 
 
-def canonical(tagged: Any) -> str:
-    """The text the encoder produces for this tagged value (compact JSON): equal text means equal value."""
-    return json.dumps(tagged, separators=(",", ":"))
+def canonical(value: Any, index: int) -> str:
+    """The encoder's text for a decoded key: equal text means equal value with equal types. Keys that cannot be
+    dict keys (lists, dicts, unsupported values) get a text no expected key can have."""
+    try:
+        return encode(value)
+    except EncodeError:
+        return f"unmatchable key {index}"
 
 
 class Pairs:
