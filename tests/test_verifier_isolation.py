@@ -415,6 +415,17 @@ KERNEL_ONLY = [
     ("leave_a_process", attack(
         "import os\ndef _attack():\n    if os.fork() == 0:\n        import time\n        time.sleep(60)\n"
         "    return True\n")),
+    ("pathological_leftovers", attack(
+        "import os, socket\ndef _attack():\n    hit = os.path.exists('/tmp/fifo-" + TOKEN + "')\n"
+        "    for d in ('/tmp', '/dev/shm', os.getcwd()):\n        try:\n"
+        "            os.mkfifo(d + '/fifo-" + TOKEN + "')\n            s = socket.socket(socket.AF_UNIX)\n"
+        "            s.bind(d + '/sock-" + TOKEN + "')\n            fd = os.open(d, os.O_RDONLY)\n"
+        "            for i in range(1500):\n                os.mkdir('d', 0o700, dir_fd=fd)\n"
+        "                new = os.open('d', os.O_RDONLY, dir_fd=fd)\n                os.close(fd)\n"
+        "                fd = new\n            os.close(os.open('f', os.O_CREAT | os.O_WRONLY, dir_fd=fd))\n"
+        "            os.close(fd)\n            os.mkdir(d + '/locked-" + TOKEN + "')\n"
+        "            os.chmod(d + '/locked-" + TOKEN + "', 0)\n"
+        "        except OSError:\n            pass\n    return hit\n")),
 ]
 
 
