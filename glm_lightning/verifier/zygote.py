@@ -128,13 +128,15 @@ class Zygote:
         os.close(ctl_w)
         os.close(res_w)
         pidfd = self._pidfd(pid)
-        started = self._wait_started(pid, pidfd, ctl_r)
+        # The job is already waiting in the pipe, so the deadline runs from the fork; the child's start report
+        # stays in its control pipe until the child is gone (no extra wake-up per job).
+        header = self._collect(pid, pidfd, res_r, t_fork + self.timeout_s)
+        started = _read_report(ctl_r)
         os.close(ctl_r)
         if started is None:  # stdin closed (shutdown) or the job frame was unreadable
-            self._finish(pid, pidfd, res_r)
             cleanup.remove_tree(workdir)
+            self._kill_everything()
             return False
-        header = self._collect(pid, pidfd, res_r, started["t_job"] + self.timeout_s)
         header.update({"id": started.get("id"), "t_fork": t_fork, "t_child": started.get("t_child"),
                        "t_job": started["t_job"]})
         header["cleanup_ok"] = self._cleanup(workdir, t_fork)
@@ -149,29 +151,6 @@ class Zygote:
             except OSError:
                 return None
         return None
-
-    def _wait_started(self, pid: int, pidfd: int | None, ctl_r: int) -> dict[str, Any] | None:
-        """Wait (without limit: the parent may be idle) for the child's start report; None if it never comes."""
-        poller = select.poll()
-        poller.register(ctl_r, select.POLLIN)
-        poller.register(0, 0)  # only hang-up: the parent went away
-        data = b""
-        while True:
-            for fd, events in poller.poll(None if pidfd is not None else 50):
-                if fd == 0 and events & (select.POLLHUP | select.POLLERR):
-                    return None
-                if fd == ctl_r:
-                    chunk = os.read(ctl_r, 4096)
-                    data += chunk
-                    if not chunk or b"\n" in data or len(data) > 4096:
-                        try:
-                            report = json.loads(data.split(b"\n", 1)[0])
-                            float(report["t_job"])
-                            return report
-                        except (ValueError, KeyError, TypeError):
-                            return None
-            if pidfd is None and os.waitpid(pid, os.WNOHANG)[0]:
-                return None
 
     def _collect(self, pid: int, pidfd: int | None, res_r: int, deadline: float) -> dict[str, Any]:
         """Move the child's bytes into the staging pipe until it exits, overflows or runs out of time."""
@@ -317,6 +296,18 @@ class Zygote:
         report["pid_namespace"] = self.pid1
         report["pidfd"] = self.has_pidfd
         return report
+
+
+def _read_report(ctl_r: int) -> dict[str, Any] | None:
+    """The child's one-line start report ({"id", "t_child", "t_job"}), written before any candidate code ran."""
+    os.set_blocking(ctl_r, False)
+    try:
+        data = os.read(ctl_r, 4096)
+        report = json.loads(data.split(b"\n", 1)[0])
+        float(report["t_job"])
+        return report
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _sweep_owned(path: str, uid: int, since: float) -> bool:
