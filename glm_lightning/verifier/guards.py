@@ -81,6 +81,9 @@ def _remove_functions() -> None:
         for name in REMOVED_FUNCTIONS:
             if name in module.__dict__:
                 del module.__dict__[name]
+        names = getattr(module, "__all__", None)
+        if type(names) is list:  # keep `from os import *` working
+            names[:] = [name for name in names if name not in REMOVED_FUNCTIONS]
 
 
 def install(workdir: str, read_roots: tuple[str, ...], result_fd: int) -> None:
