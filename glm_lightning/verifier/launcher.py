@@ -97,7 +97,7 @@ def _mount_points() -> list[tuple[str, set[str]]]:
     return out
 
 
-def setup_mounts(spaces: dict[str, bool], report: dict[str, Any]) -> None:
+def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: str) -> None:
     """Private tmpfs for every writable place, a fresh /proc, everything else read-only (in our namespace only)."""
     mount(None, "/", None, MS_REC | MS_PRIVATE, None)
     if spaces["pid"]:
@@ -107,7 +107,15 @@ def setup_mounts(spaces: dict[str, bool], report: dict[str, Any]) -> None:
         except OSError as exc:
             report["errors"].append(str(exc))
     private = []
+    needed = [HERE + "/", os.path.realpath(sys.executable)]
+    if any(p.startswith("/tmp/") for p in needed):  # no private /tmp, so no work tmpfs: keep the host scratch
+        needed.append(os.path.realpath(host_scratch) + "/")
     for path, size, inodes in TMPFS:
+        if path == WORK_DIR and "/tmp" not in private:
+            continue  # never create the work area's mount point on the host's /tmp
+        if any(p.startswith(path + "/") for p in needed):  # covering it would hide our own code
+            report["errors"].append(f"{path} not made private: the verifier, Python or the host scratch lives below it")
+            continue
         try:
             if path == WORK_DIR:
                 os.mkdir(path, 0o711)
@@ -122,8 +130,13 @@ def setup_mounts(spaces: dict[str, bool], report: dict[str, Any]) -> None:
     if spaces["pid"]:
         report["memfd_noexec"] = bool(_set_sysctls((("vm/memfd_noexec", "2"),)))
     readonly, skipped = 0, 0
-    for point, options in reversed(_mount_points()):
-        if point in private or point == "/proc" or point.startswith("/proc/") or "ro" in options:
+    points = _mount_points()
+    writable = set(private)
+    if WORK_DIR not in private:  # work directories stay in the host scratch: its mount must stay writable
+        scratch = os.path.realpath(host_scratch) + "/"
+        writable.add(max((p for p, _ in points if scratch.startswith(p.rstrip("/") + "/")), key=len, default="/"))
+    for point, options in reversed(points):
+        if point in writable or point == "/proc" or point.startswith("/proc/") or "ro" in options:
             continue
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for name, bit in MOUNT_FLAG_BITS.items():
@@ -156,7 +169,7 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
         if os.getppid() not in (parent, 0):  # 0: the parent lives outside our new PID namespace
             os._exit(1)
         if spaces["mount"]:
-            setup_mounts(spaces, report)
+            setup_mounts(spaces, report, config["scratch"])
     except OSError as exc:
         report["errors"].append(str(exc))
         report["private_tmpfs"], report["private_proc"] = [], False
