@@ -243,7 +243,11 @@ assert {cat for _, cat, _ in HOSTILE} == {"leak", "persist", "native", "guard", 
 # Host inspection
 # --------------------------------------------------------------------------------------------------------------
 def sandbox_files() -> set[str]:
-    """Entries owned by the sandbox uid in the world-writable temp directories (two levels deep)."""
+    """Entries owned by the sandbox uid in the world-writable temp directories (two levels deep).
+
+    Scratch directories of verifier pools (`glm-verifier-*`) are skipped: other processes on this machine may be
+    running their own verifiers; ours is checked separately (it must hold nothing but its `owner` file).
+    """
     found = set()
     for top in TEMP_DIRS:
         stack = [(top, 0)]
@@ -258,7 +262,8 @@ def sandbox_files() -> set[str]:
                             continue
                         if info.st_uid == SANDBOX_UID:
                             found.add(entry.path)
-                        elif entry.is_dir(follow_symlinks=False) and depth < 1:
+                        elif entry.is_dir(follow_symlinks=False) and depth < 1 and \
+                                not entry.name.startswith("glm-verifier-"):
                             stack.append((entry.path, depth + 1))
             except OSError:
                 pass

@@ -101,6 +101,13 @@ def _is_mount(entry: os.DirEntry, device: int) -> bool:
 
 def remove_tree(path: str) -> bool:
     """Delete `path` and everything below it; True when it is gone."""
+    try:
+        os.rmdir(path)  # the common case: the candidate left its directory empty
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
     wipe(path)
     try:
         os.rmdir(path)

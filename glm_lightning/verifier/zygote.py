@@ -66,6 +66,7 @@ class Zygote:
         self.pid1 = os.getpid() == 1
         private = config.get("sandbox", {}).get("private_tmpfs", [])
         self.wipe_dirs = [p for p in SHARED_TMP if p in private]  # ours to empty: private to this namespace
+        self.clean_stamp: dict[str, tuple[int, int]] = {}  # (mtime, ctime) of each after its last wipe
         self.sweep_dirs = [p for p in SHARED_TMP if p not in private and config.get("uid") is not None]
         self.stage_r, self.stage_w = os.pipe()
         wanted = int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES))
@@ -92,11 +93,23 @@ class Zygote:
         self._kill_everything()
         ok = cleanup.remove_tree(workdir)
         for path in self.wipe_dirs:
+            if self._stamp(path) == self.clean_stamp.get(path):
+                continue  # unchanged since it was last emptied (entries change the directory's mtime)
             ok = cleanup.wipe(path, keep=frozenset({os.path.basename(self.scratch)}) if path == "/tmp" else
                               frozenset()) and ok
+            self.clean_stamp[path] = self._stamp(path)
         for path in self.sweep_dirs:  # no private tmpfs: remove what the sandbox uid created during this run
             ok = _sweep_owned(path, self.config["uid"], started) and ok
         return ok
+
+    @staticmethod
+    def _stamp(path: str) -> tuple[int, int] | None:
+        """mtime and ctime of a root-owned directory: a sandbox uid cannot reset them (utime needs ownership)."""
+        try:
+            info = os.stat(path)
+        except OSError:
+            return None
+        return info.st_mtime_ns, info.st_ctime_ns
 
     # -- fork, supervise, collect --------------------------------------------------------------------------------
     def run_job(self) -> bool:
