@@ -82,8 +82,9 @@ def _remove_functions() -> None:
             if name in module.__dict__:
                 del module.__dict__[name]
         names = getattr(module, "__all__", None)
-        if type(names) is list:  # keep `from os import *` working
-            names[:] = [name for name in names if name not in REMOVED_FUNCTIONS]
+        for name in REMOVED_FUNCTIONS if type(names) is list else ():  # keep `from os import *` working
+            if name in names:
+                names.remove(name)
 
 
 def install(workdir: str, read_roots: tuple[str, ...], result_fd: int) -> None:
