@@ -88,6 +88,8 @@ def reap_stale(parent: str | None) -> int:
     for name in names:
         path = os.path.join(parent, name)
         try:
+            if not _ours(path) or not _ours(os.path.join(path, "owner")):
+                continue  # the parent directory is world-writable: only trust what we created ourselves
             with open(os.path.join(path, "owner")) as fh:
                 fields = fh.read().split()
             owner, started, servers = int(fields[0]), fields[1], [int(x) for x in fields[2:]]
@@ -100,6 +102,11 @@ def reap_stale(parent: str | None) -> int:
         if cleanup.remove_tree(path):
             removed += 1
     return removed
+
+
+def _ours(path: str) -> bool:
+    info = os.lstat(path)
+    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
 def _kill_stale_server(pgid: int) -> None:
@@ -118,8 +125,9 @@ class ZygoteProcess:
 
     def __init__(self, scratch: str, uid: int | None, gid: int | None, memory_mb: int, timeout_s: float) -> None:
         self.scratch = scratch
+        self.want_namespaces = os.environ.get("GLM_VERIFIER_NO_NAMESPACES") != "1"
         self.config = {"uid": uid, "gid": gid, "scratch": scratch, "memory_mb": memory_mb, "timeout_s": timeout_s,
-                       "isolate": os.environ.get("GLM_VERIFIER_NO_NAMESPACES") != "1",
+                       "isolate": self.want_namespaces,
                        # Test-only switch: shows what the kernel layer contains on its own. Never set in training.
                        "audit_hook": os.environ.get("GLM_VERIFIER_UNSAFE_NO_AUDIT_HOOK") != "1"}
         self.proc: subprocess.Popen | None = None
@@ -144,7 +152,7 @@ class ZygoteProcess:
     def start(self) -> None:
         """Start with every namespace the kernel allows; if that cannot start at all, retry without any."""
         errors = []
-        for isolate in ([True, False] if self.config["isolate"] else [False]):
+        for isolate in ([True, False] if self.want_namespaces else [False]):
             self.config["isolate"] = isolate
             try:
                 self._start()
@@ -272,7 +280,7 @@ class ZygotePool:
         """`<pid> <start time> <server process groups...>`, replaced atomically; read by reap_stale."""
         servers = " ".join(str(z.proc.pid) for z in self.zygotes if z.proc is not None)
         tmp = os.path.join(self.scratch, ".owner")
-        with open(tmp, "w") as fh:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
             fh.write(f"{os.getpid()} {_start_time(os.getpid())} {servers}\n")
         os.replace(tmp, os.path.join(self.scratch, "owner"))
 
