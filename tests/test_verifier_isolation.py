@@ -4,7 +4,9 @@ Every candidate solves `increment` (tests T) wrongly (it returns x) unless its a
 returns x + 1: a "passed" verdict therefore means the attack worked. Leakage attacks look for a victim's source
 (a correct solution carrying a unique marker that is run in the same batch) and return x + 1 only if they find it.
 Each candidate runs through `check` (with a legitimate check afterwards) and, all together, through `check_many`
-with three workers interleaved with victims; after each run the host is inspected for leftovers: files owned by
+with three workers, each attacker followed by a victim (the next job on the same worker: a design that queued jobs
+inside the server process would leak it; run against the previous design this suite finds that leak, the
+int-to-str crash of the caller, memfd/re-import native-code holes and files left in /tmp and /dev/shm); after each run the host is inspected for leftovers: files owned by
 the sandbox uid in /tmp, /var/tmp and /dev/shm, new SysV IPC objects, and processes other than the servers.
 
 A second group turns the audit hook off (test-only switch) to show what the kernel layer contains on its own, and
@@ -41,21 +43,26 @@ TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 # Shared snippets. `_found(s)` is true for any string that contains the victim's marker but is not our own needle.
 FINDER = (
     "_NEEDLE = 'VICTIM_' + 'MARK_' + '" + TOKEN + "'\n"
+    "_MODULE = type(__import__('sys'))\n"
     "def _found(s):\n"
     "    return type(s) is str and s is not _NEEDLE and _NEEDLE in s\n"
-    "def _walk(obj, depth=0, seen=None):\n"
-    "    seen = set() if seen is None else seen\n"
-    "    if depth > 4 or id(obj) in seen:\n"
-    "        return False\n"
-    "    seen.add(id(obj))\n"
-    "    if _found(obj) or (type(obj) is bytes and _NEEDLE.encode() in obj):\n"
-    "        return True\n"
-    "    try:\n"
-    "        items = list(obj.values()) if isinstance(obj, dict) else list(obj) if isinstance(obj, (list, tuple,"
-    " set)) else list(vars(obj).values()) if hasattr(obj, '__dict__') else []\n"
-    "    except BaseException:\n"
-    "        return False\n"
-    "    return any(_walk(item, depth + 1, seen) for item in items[:2000])\n"
+    "def _walk(root, budget=100000):\n"
+    "    stack, seen = [(root, 0)], set()\n"
+    "    while stack and budget > 0:\n"
+    "        obj, depth = stack.pop()\n"
+    "        budget -= 1\n"
+    "        if id(obj) in seen:\n            continue\n"
+    "        seen.add(id(obj))\n"
+    "        if _found(obj) or (type(obj) in (bytes, bytearray) and _NEEDLE.encode() in obj):\n"
+    "            return True\n"
+    "        if depth >= 4:\n            continue\n"
+    "        try:\n"
+    "            items = list(obj.values()) + list(obj) if isinstance(obj, dict) else list(obj) if isinstance(obj,"
+    " (list, tuple, set, frozenset)) else list(vars(obj).values()) if hasattr(obj, '__dict__') and type(obj) is"
+    " not _MODULE else []\n"
+    "        except BaseException:\n            items = []\n"
+    "        stack.extend((item, depth + 1) for item in items[:5000])\n"
+    "    return False\n"
 )
 
 
@@ -73,18 +80,17 @@ HOSTILE: list[tuple[str, str, str]] = [
     ("signal_frame_walk", "leak", attack(
         "import signal\nHITS = []\n"
         "def _handler(signum, frame):\n"
-        "    for _ in range(50):\n"
-        "        if frame is None:\n            break\n"
-        "        if _walk(frame.f_locals) or _walk(frame.f_globals) or _walk(frame.f_code.co_consts):\n"
-        "            HITS.append(1)\n"
-        "        frame = getattr(frame, 'f_back', None)\n"
+        "    signal.setitimer(signal.ITIMER_REAL, 0)\n"
+        "    frames = []\n"
+        "    while frame is not None and len(frames) < 50:\n"
+        "        frames.append(frame)\n        frame = getattr(frame, 'f_back', None)\n"
+        "    HITS.append(any(_walk(fr.f_locals) for fr in frames) or any(_walk(fr.f_globals) for fr in frames))\n"
         "def _attack():\n"
         "    signal.signal(signal.SIGALRM, _handler)\n"
         "    signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)\n"
-        "    end = __import__('time').monotonic() + 0.2\n"
+        "    end = __import__('time').monotonic() + 0.3\n"
         "    while __import__('time').monotonic() < end and not HITS:\n        pass\n"
-        "    signal.setitimer(signal.ITIMER_REAL, 0)\n"
-        "    return bool(HITS)\n")),
+        "    return bool(HITS) and HITS[0]\n")),
     ("sys_modules_walk", "leak", attack(
         "import sys\ndef _attack():\n    return any(_walk(vars(m)) for m in list(sys.modules.values()))\n")),
     ("main_module_buffers", "leak", attack(
@@ -346,8 +352,8 @@ def test_hostile_corpus_one_at_a_time(verifier, baseline):
 def test_hostile_corpus_in_check_many(baseline):
     items, expect = [], []
     for name, _category, source in HOSTILE:
-        items += [(VICTIM, "f", T), (source, "f", T), LEGIT]
-        expect += [True, False, True]
+        items += [(source, "f", T), (VICTIM, "f", T), LEGIT]  # the victim is the next job on the same worker
+        expect += [False, True, True]
     with Verifier(timeout_s=TIMEOUT_S, memory_mb=256, workers=3) as v:
         verdicts = v.check_many(items)
         wrong = [(HOSTILE[i // 3][0], i % 3, verdict.status, verdict.detail)
@@ -461,9 +467,9 @@ def test_fallback_without_namespaces_still_contains_the_corpus(monkeypatch, base
         items = []
         for name, _, source in HOSTILE:
             if name not in skip:
-                items += [(VICTIM, "f", T), (source, "f", T)]
+                items += [(source, "f", T), (VICTIM, "f", T)]
         verdicts = v.check_many(items)
-        wrong = [(i, x.status, x.detail) for i, x in enumerate(verdicts) if x.passed != (i % 2 == 0)]
+        wrong = [(i, x.status, x.detail) for i, x in enumerate(verdicts) if x.passed != (i % 2 == 1)]
         assert wrong == []
         assert_no_leftovers(v, baseline, "fallback")
         assert v.check(*LEGIT).passed
