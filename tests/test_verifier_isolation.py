@@ -6,8 +6,9 @@ returns x + 1: a "passed" verdict therefore means the attack worked. Leakage att
 Each candidate runs through `check` (with a legitimate check afterwards) and, all together, through `check_many`
 with three workers, each attacker followed by a victim (the next job on the same worker: a design that queued jobs
 inside the server process would leak it; run against the previous design this suite finds that leak, the
-int-to-str crash of the caller, memfd/re-import native-code holes and files left in /tmp and /dev/shm); after each run the host is inspected for leftovers: files owned by
-the sandbox uid in /tmp, /var/tmp and /dev/shm, new SysV IPC objects, and processes other than the servers.
+int-to-str crash of the caller, memfd/re-import native-code holes and files left in /tmp and /dev/shm); after
+each run the host is inspected for leftovers: files owned by the sandbox uid in /tmp, /var/tmp and /dev/shm, new
+SysV IPC objects, and processes other than the servers.
 
 A second group turns the audit hook off (test-only switch) to show what the kernel layer contains on its own, and
 a third runs with namespaces disabled to exercise the documented fallback. The kill test SIGKILLs a caller in the
@@ -213,11 +214,13 @@ HOSTILE: list[tuple[str, str, str]] = [
      "import os, stat\nP = (1 << 61) - 1\n"
      "REC = ('[\"v\",0,[\"d\",[' + ','.join('[[\"i\",\"%x\"],[\"n\"]]' % (k * P) for k in range(20000)) + ']]]\\n')\n"
      "def f(x):\n    for fd in range(3, 1000 if x == 1 else 0):\n        try:\n"
-     "            if stat.S_ISFIFO(os.fstat(fd).st_mode):\n                os.write(fd, REC.encode())\n        except OSError:\n            pass\n    return x\n"),
+     "            if stat.S_ISFIFO(os.fstat(fd).st_mode):\n                os.write(fd, REC.encode())\n"
+     "        except OSError:\n            pass\n    return x\n"),
     ("forged_deep_nesting", "caller",
      "import os, stat\nREC = ('[\"v\",0,' + '[\"l\",[' * 50000 + ']]' * 50000 + ']\\n').encode()\n"
      "def f(x):\n    for fd in range(3, 1000 if x == 1 else 0):\n        try:\n"
-     "            if stat.S_ISFIFO(os.fstat(fd).st_mode):\n                os.write(fd, REC)\n        except OSError:\n            pass\n    return x\n"),
+     "            if stat.S_ISFIFO(os.fstat(fd).st_mode):\n                os.write(fd, REC)\n"
+     "        except OSError:\n            pass\n    return x\n"),
     ("forged_garbage_flood", "caller",
      "import os, stat\ndef f(x):\n    junk = bytes(range(256)) * 8192\n    for fd in range(3, 1000):\n"
      "        try:\n            if stat.S_ISFIFO(os.fstat(fd).st_mode):\n                os.write(fd, junk)\n"
