@@ -73,23 +73,27 @@ def stdlib_roots() -> tuple[str, ...]:
     return tuple(roots)
 
 
-def _remove_functions() -> None:
-    """Functions that create files or executable memory without raising an audit event: take them away."""
+def remove_functions() -> None:
+    """Functions that create files or executable memory without raising an audit event: take them away.
+
+    Called once in the zygote before any fork (so no child pays for it), and again by `install` (idempotent)."""
     import posix
 
+    if not any(name in module.__dict__ for module in (os, posix) for name in REMOVED_FUNCTIONS):
+        return  # already done in the zygote: do not even scan __all__ (that would touch ~300 shared strings)
     for module in (os, posix):
         for name in REMOVED_FUNCTIONS:
             if name in module.__dict__:
                 del module.__dict__[name]
         names = getattr(module, "__all__", None)
         for name in REMOVED_FUNCTIONS if type(names) is list else ():  # keep `from os import *` working
-            if name in names:
+            while name in names:
                 names.remove(name)
 
 
 def install(workdir: str, read_roots: tuple[str, ...], result_fd: int) -> None:
     """Install the audit hook. A violation writes one record to `result_fd` and exits with EXIT_VIOLATION."""
-    _remove_functions()
+    remove_functions()
     _type, _str, _bytes, _int = type, str, bytes, int
     _startswith = str.startswith
     _split = str.split

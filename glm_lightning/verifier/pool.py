@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import marshal
 import os
 import pwd
 import selectors
@@ -63,8 +64,9 @@ def scratch_parent() -> str | None:
 
 
 def frame(job: dict[str, Any]) -> bytes:
-    """One job as the child reads it: a fixed-size length line, then the JSON body."""
-    body = json.dumps(job).encode()
+    """One job as the child reads it: a fixed-size length line, then the body (marshal: same interpreter, exact
+    types, no Python-level decoding in the child)."""
+    body = marshal.dumps(job)
     return b"%010d\n" % len(body) + body
 
 

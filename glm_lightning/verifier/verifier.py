@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import keyword
 import math
 import secrets
@@ -173,7 +172,7 @@ class Verifier:
 
 
 def _prepare(source: Any, entry_point: Any, tests: Any) -> tuple[str, str, list, list[Test]]:
-    """Validate one item; returns (source, entry_point, tagged inputs, tests with expected values snapshotted)."""
+    """Validate one item; returns (source, entry_point, argument tuples, tests with expected values snapshotted)."""
     if not isinstance(source, str):
         raise TypeError(f"source must be a str, got {type(source).__name__}")
     source = str.__str__(source)
@@ -200,7 +199,7 @@ def _prepare(source: Any, entry_point: Any, tests: Any) -> tuple[str, str, list,
             expected_value = protocol.loads(protocol.encode(expected))
         except protocol.EncodeError as exc:
             raise TypeError(f"test {index}: {exc}") from None
-        inputs.append(json.loads(args_text))
+        inputs.append(protocol.loads(args_text))  # a fresh copy of the validated arguments, exact types
         snapshot.append((args, expected_value))
     return source, entry_point, inputs, snapshot
 

@@ -11,8 +11,8 @@ parent with splice(2) through a kernel staging pipe, so neither jobs nor results
 this process's memory, and so never in the memory a later child inherits.
 
 Protocol on stdin/stdout:
-    parent -> child:  b"%010d\\n" % len(body) + body, body = JSON {"id", "source", "entry_point", "inputs",
-                      "nonce"}; EOF means shut down.
+    parent -> child:  b"%010d\\n" % len(body) + body, body = marshal of {"id", "source", "entry_point",
+                      "inputs" (argument tuples), "nonce"}; EOF means shut down.
     zygote -> parent: first a hello line {"hello": 1, "probe": {...}, ...}; then per job one JSON header line
                       {"id", "exit", "timed_out", "truncated", "n", "t_fork", "t_child", "t_job", "t_exit", "t_done",
                       "cleanup_ok"} followed by exactly n raw bytes: what the child wrote to its result pipe (capped).
@@ -366,6 +366,8 @@ def main() -> None:
             preloaded.append(name)
         except ImportError:
             pass
+    if config.get("audit_hook", True):
+        guards.remove_functions()  # once here instead of in every child
     config["read_roots"] = list(guards.stdlib_roots())
     config["packages"] = child.packages_under(config["read_roots"])
     zygote = Zygote(config)
