@@ -551,9 +551,9 @@ def _reply(payload: bytes, exit_code: int = 0) -> Reply:
     b'["t",1.0]\n["v",0,["u","zz"]]\n["end","n0",1,2.0]\n', b'["t",1.0]\n["end","n0",99,2.0]\n',
 ])
 def test_judge_never_raises_on_forged_streams(payload):
-    start = time.monotonic()
+    start = time.process_time()  # CPU, not wall: the machine is shared; a quadratic decode would take minutes
     verdict = judge(_reply(payload), "n0", "f", [((1,), 2)], 1.0)
-    assert time.monotonic() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert verdict.status in ("failed", "error") and len(verdict.detail) <= 240 and verdict.detail.isprintable()
 
 
