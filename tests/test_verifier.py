@@ -236,6 +236,9 @@ LEGAL = [
     ("module_level_constants", "TABLE = {c: i for i, c in enumerate('abc')}\n\ndef f(s):\n"
                                "    return [TABLE[c] for c in s]\n", [(("cab",), [2, 0, 1])]),
     ("isinstance_and_type", "def f(x):\n    return isinstance(x, int) and type(x) is int\n", [((3,), True)]),
+    ("star_import_and_pathlib", "from os import *\nfrom pathlib import Path\n\ndef f(x):\n"
+                                "    Path('notes.txt').write_text(str(x))\n"
+                                "    return sep + Path('notes.txt').read_text()\n", [((1,), "/1")]),
     ("main_guard_not_run", "def f(x):\n    return x\n\nif __name__ == '__main__':\n    raise SystemExit(1)\n",
      [((1,), 1)]),
 ]

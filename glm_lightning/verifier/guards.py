@@ -1,16 +1,24 @@
 """The in-process guard: a `sys.addaudithook` installed in the sandbox child before candidate code runs.
 
 This is the *second* layer. The first layer is the operating system (separate process, dropped uid, rlimits,
-namespaces, process-group kill; see child.py and zygote.py). The hook turns the common escapes into a recorded
-violation (the verdict becomes "error") instead of relying only on the OS to make them fail:
+namespaces, private noexec tmpfs, process-group kill; see launcher.py, child.py and zygote.py). A forbidden operation
+is fatal: the hook writes one ["viol", reason] record straight to the result pipe and ends the process with
+EXIT_VIOLATION, an exit status the zygote observes from outside. There is no list to clear and no exception to
+catch, so the candidate can neither silence nor survive it:
 
 * process creation and signalling: os.system/exec*/spawn*/posix_spawn/fork/forkpty, subprocess.Popen, os.kill;
 * network: every socket.* event; ctypes/cffi and other native-code back doors (their import and their events);
+* native code: extension modules loaded from anywhere but the standard library (the "import" event of
+  `_imp.create_dynamic` carries the file name), shared-memory and semaphore modules; `os.mkfifo/mknod/memfd_create`
+  (no audit events exist for them) are removed from `os` and `posix`, and re-importing those modules is refused;
 * debugging/introspection hooks: sys.settrace/setprofile, gc.get_objects/get_referrers/get_referents,
   sys._current_frames, sys.addaudithook;
 * file system: writes, renames, deletes, chmod... anywhere outside the private working directory, reads outside the
   working directory and the standard library, links and chdir. fd and dir_fd arguments are judged by the path the
-  fd points to (readlink of /proc/self/fd/N), so `shutil.rmtree` inside the working directory still works.
+  fd points to (readlink of /proc/self/fd/N), so `shutil.rmtree` inside the working directory still works. The
+  "open" event of `os.open` does not carry dir_fd, so a *relative* `os.open` for writing is refused (it could be
+  relative to any directory fd); relative reads can only reach the working directory or the standard library,
+  the only directories the candidate can hold fds of.
 
 Frame access (`sys._getframe`, `tb_frame`, `gi_frame`, ...) is denied quietly with ValueError/AttributeError
 (not recorded): the standard library probes `sys._getframe` inside `collections.namedtuple`, `typing.TypeVar` and
@@ -38,7 +46,11 @@ BLOCKED_EVENTS = frozenset(
 BLOCKED_PREFIXES = ("os.exec", "os.spawn", "socket.", "ctypes.", "_ctypes.", "cffi.", "urllib.", "ftplib.",
                     "http.", "smtplib.", "poplib.", "imaplib.", "nntplib.", "telnetlib.", "sqlite3.", "syslog.")
 BLOCKED_IMPORTS = frozenset({"ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixsubprocess", "_xxsubinterpreters",
-                             "_xxinterpchannels", "_testcapi", "_testinternalcapi", "_tkinter", "readline"})
+                             "_xxinterpchannels", "_testcapi", "_testinternalcapi", "_tkinter", "readline",
+                             "_posixshmem", "_multiprocessing", "mmap", "_imp", "posix", "os", "_io", "sys",
+                             "builtins", "_thread", "gc", "_signal"})
+REMOVED_FUNCTIONS = ("mkfifo", "mknod", "memfd_create")
+EXIT_VIOLATION = 77
 QUIET_FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 PATH_WRITE_EVENTS = frozenset({"os.remove", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.truncate",
@@ -48,7 +60,7 @@ MAX_WRITE_OPENS = 64  # with RLIMIT_FSIZE = 1 MiB this bounds what one candidate
 
 
 class SandboxViolation(PermissionError):
-    """Raised into candidate code when it attempts a forbidden operation (recorded even if caught)."""
+    """Kept for compatibility: violations are now fatal (EXIT_VIOLATION) and never raised into candidate code."""
 
 
 def stdlib_roots() -> tuple[str, ...]:
@@ -61,18 +73,39 @@ def stdlib_roots() -> tuple[str, ...]:
     return tuple(roots)
 
 
-def install(workdir: str, read_roots: tuple[str, ...], violations: list) -> None:
-    """Install the audit hook. `violations` receives one string per blocked operation (append only)."""
+def remove_functions() -> None:
+    """Functions that create files or executable memory without raising an audit event: take them away.
+
+    Called once in the zygote before any fork (so no child pays for it), and again by `install` (idempotent)."""
+    import posix
+
+    if not any(name in module.__dict__ for module in (os, posix) for name in REMOVED_FUNCTIONS):
+        return  # already done in the zygote: do not even scan __all__ (that would touch ~300 shared strings)
+    for module in (os, posix):
+        for name in REMOVED_FUNCTIONS:
+            if name in module.__dict__:
+                del module.__dict__[name]
+        names = getattr(module, "__all__", None)
+        for name in REMOVED_FUNCTIONS if type(names) is list else ():  # keep `from os import *` working
+            while name in names:
+                names.remove(name)
+
+
+def install(workdir: str, read_roots: tuple[str, ...], result_fd: int) -> None:
+    """Install the audit hook. A violation writes one record to `result_fd` and exits with EXIT_VIOLATION."""
+    remove_functions()
     _type, _str, _bytes, _int = type, str, bytes, int
     _startswith = str.startswith
     _split = str.split
     _partition = str.partition
     _decode = bytes.decode
-    _append = list.append
+    _str_encode = str.encode
+    _hex = bytes.hex
     _len = len
-    _ValueError, _AttributeError, _OSError = ValueError, AttributeError, OSError
+    _ValueError, _AttributeError, _OSError, _BaseException = ValueError, AttributeError, OSError, BaseException
     _readlink = os.readlink
-    _Violation = SandboxViolation
+    _write, _exit = os.write, os._exit
+    _fd, _exit_code = result_fd, EXIT_VIOLATION
     _blocked, _prefixes, _blocked_imports = BLOCKED_EVENTS, BLOCKED_PREFIXES, BLOCKED_IMPORTS
     _quiet_attrs, _write_events, _write_flags = QUIET_FRAME_ATTRS, PATH_WRITE_EVENTS, WRITE_FLAGS
     _devices = READABLE_DEVICES
@@ -122,9 +155,14 @@ def install(workdir: str, read_roots: tuple[str, ...], violations: list) -> None
         return p == _workdir or _startswith(p, _workdir_slash) or _startswith(p + "/", _roots) or p in _devices
 
     def _deny(event: str, what: object = "") -> None:
-        message = event + " " + what[:120] if _type(what) is _str and what else event
-        _append(violations, message)
-        raise _Violation("sandbox: blocked " + message)
+        """Fatal: report over the result pipe, then end the process. Never returns."""
+        try:
+            message = event + " " + what[:120] if _type(what) is _str and what else event
+            record = '\n["viol",["s","' + _hex(_str_encode(message, "utf-8", "replace")) + '"]]\n'
+            _write(_fd, _str_encode(record, "ascii"))
+        except _BaseException:
+            pass
+        _exit(_exit_code)
 
     def hook(event: str, args: tuple) -> None:
         if event == "exec" or event == "compile":
@@ -139,14 +177,21 @@ def install(workdir: str, read_roots: tuple[str, ...], violations: list) -> None
             _deny(event)
         if event == "import":
             name = args[0]
-            if _type(name) is _str and _partition(name, ".")[0] in _blocked_imports:
-                _deny(event, name)
+            if _type(name) is not _str or _partition(name, ".")[0] in _blocked_imports:
+                _deny(event, name if _type(name) is _str else "<non-str name>")
+            if _len(args) > 1 and args[1] is not None:  # an extension module: only from the standard library
+                origin = args[1]
+                if _type(origin) is not _str or _may_write(origin) or not _may_read(origin):
+                    _deny("extension module", origin if _type(origin) is _str else "<non-str path>")
             return
         if event == "open":
             path, mode, flags = args[0], args[1], args[2]
             writing = _type(flags) is _int and flags & _write_flags
             if _type(mode) is _str and ("w" in mode or "a" in mode or "x" in mode or "+" in mode):
                 writing = True
+            if writing and mode is None and _type(path) is not _int and not (
+                    _type(path) is _str and _startswith(path, "/") or _type(path) is _bytes and path[:1] == b"/"):
+                _deny(event, "relative os.open for writing (dir_fd is not visible to the guard)")
             if not (_may_write(path) if writing else _may_read(path)):
                 _deny(event, path if _type(path) is _str else "<non-str path>")
             if writing:

@@ -3,6 +3,11 @@
 The child's output is treated as hostile input: it must be a well-formed, complete, in-order record stream
 (see child.py) ending with the job's nonce, or the verdict is "error". Expected values live only here; comparison is
 exact in value *and* type, recursively (`True` is not `1`, `1.0` is not `1`, a tuple is not a list).
+
+Nothing a child sends can crash or stall the caller: the payload is capped (1 MiB) before it gets here, JSON nesting
+is bounded by the decoder, dicts are never hashed by a child-chosen key (`protocol.Pairs`), huge ints are never
+converted to decimal (`safe_repr`), every exception while judging becomes an "error" verdict, and `detail` is
+bounded and printable (control, escape and other non-printable characters are escaped).
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from .verdict import Verdict
 
 REPR_CHARS = 60
 DETAIL_CHARS = 240
+REPR_MAX_INT_BITS = 256  # larger ints are shown by size: decimal conversion is quadratic and capped by Python
 SIGXCPU_EXIT = -24  # waitstatus_to_exitcode of a child killed by SIGXCPU (RLIMIT_CPU)
+VIOLATION_EXIT = 77  # guards.EXIT_VIOLATION: the audit hook ended the process
 RESOURCE_EXCEPTIONS = frozenset({"MemoryError"})
 
 
@@ -38,13 +45,15 @@ class MalformedStream(ValueError):
 
 def strict_equal(got: Any, expected: Any) -> bool:
     """Equality with identical types at every level (NaN equals NaN; dict keys must match type too)."""
+    if type(got) is protocol.Pairs:
+        return type(expected) is dict and _pairs_equal(got, expected)
     if type(got) is not type(expected):
         return False
     if type(got) is float:
         return got == expected or (math.isnan(got) and math.isnan(expected))
     if type(got) in (list, tuple):
         return len(got) == len(expected) and all(strict_equal(a, b) for a, b in zip(got, expected))
-    if type(got) is dict:
+    if type(got) is dict:  # only trusted values are real dicts
         if len(got) != len(expected):
             return False
         got_by_key = {protocol.dumps(k): v for k, v in got.items()}
@@ -58,13 +67,99 @@ def strict_equal(got: Any, expected: Any) -> bool:
     return got == expected
 
 
+def _pairs_equal(got: protocol.Pairs, expected: dict) -> bool:
+    """Child dict vs expected dict, matched by canonical key text (str hashing is randomised: no collisions)."""
+    if len(got) != len(expected):
+        return False
+    by_key = {text: value for text, _key, value in got.items}
+    if len(by_key) != len(got):
+        return False  # duplicate keys: not something a real dict produces
+    for key, value in expected.items():
+        text = protocol.dumps(key)
+        if text not in by_key or not strict_equal(by_key[text], value):
+            return False
+    return True
+
+
+class _Full(Exception):
+    pass
+
+
+def safe_repr(value: Any, limit: int = REPR_CHARS) -> str:
+    """Bounded repr of a decoded value: never converts huge ints to decimal, never walks more than needed."""
+    out: list[str] = []
+    room = [limit + 1]
+
+    def put(text: str) -> None:
+        out.append(text)
+        room[0] -= len(text)
+        if room[0] < 0:
+            raise _Full
+
+    def walk(x: Any) -> None:
+        t = type(x)
+        if t is int:
+            put(repr(x) if x.bit_length() <= REPR_MAX_INT_BITS else f"<int with {x.bit_length()} bits>")
+        elif t in (bool, float) or x is None:
+            put(repr(x))
+        elif t in (str, bytes):
+            put(repr(x[: limit + 1]))
+        elif t in (list, tuple):
+            put("[" if t is list else "(")
+            for i, item in enumerate(x):
+                if i:
+                    put(", ")
+                walk(item)
+            put("]" if t is list else ("," if len(x) == 1 else "") + ")")
+        elif t in (dict, protocol.Pairs):
+            put("{")
+            pairs = ((k, v) for _, k, v in x.items) if t is protocol.Pairs else x.items()
+            for i, (k, v) in enumerate(pairs):
+                if i:
+                    put(", ")
+                walk(k)
+                put(": ")
+                walk(v)
+            put("}")
+        elif t is protocol.Unsupported:
+            put(f"<unsupported: {x.reason}>")
+        else:
+            put(f"<{t.__name__}>")
+
+    try:
+        walk(value)
+    except _Full:
+        pass
+    except RecursionError:
+        out.append("...")
+    text = "".join(out)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def printable(text: str, limit: int = DETAIL_CHARS) -> str:
+    """Escape every non-printable character (controls, ANSI escapes, bidi overrides...) and cap the length."""
+    if text.isprintable() and len(text) <= limit:
+        return text
+    out = []
+    size = 0
+    for char in text:
+        piece = char if char.isprintable() else (f"\\x{ord(char):02x}" if ord(char) < 0x100 else
+                                                 f"\\u{ord(char):04x}" if ord(char) < 0x10000 else
+                                                 f"\\U{ord(char):08x}")
+        out.append(piece)
+        size += len(piece)
+        if size > limit:
+            break
+    result = "".join(out)
+    return result if len(result) <= limit else result[: limit - 3] + "..."
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= REPR_CHARS else text[: REPR_CHARS - 3] + "..."
+    return safe_repr(value)
 
 
 def _tagged_str(tagged: Any) -> str:
-    value = protocol.decode(tagged)
+    value = protocol.decode(tagged, untrusted=True)
     if type(value) is not str:
         raise MalformedStream("expected a string")
     return value
@@ -128,16 +223,38 @@ def parse_stream(payload: bytes, nonce: str, total: int) -> _Stream:
 
 
 def judge(reply: Reply, nonce: str, entry_point: str, tests: list[tuple[tuple, Any]], timeout_s: float) -> Verdict:
-    """Classify one reply. Exit status alone never counts as success."""
+    """Classify one reply. Exit status alone never counts as success; nothing in the reply can make this raise."""
+    try:
+        return _judge(reply, nonce, entry_point, tests, timeout_s)
+    except Exception as exc:  # a bug or an input we did not foresee: never crash the trainer over one candidate
+        return Verdict("error", 0, len(tests), printable(f"could not judge the result ({type(exc).__name__})"))
+
+
+def _violation_reason(payload: bytes) -> str:
+    """The guard's ["viol", ...] record, if it made it into the pipe (best effort: the exit status decides)."""
+    for raw in reversed(payload[-4096:].split(b"\n")):
+        if raw.startswith(b'["viol",'):
+            try:
+                return _tagged_str(json.loads(raw)[1])
+            except (ValueError, IndexError, MalformedStream, protocol.DecodeError, RecursionError):
+                break
+    return "unknown operation"
+
+
+def _judge(reply: Reply, nonce: str, entry_point: str, tests: list[tuple[tuple, Any]], timeout_s: float) -> Verdict:
     total = len(tests)
     elapsed = max(0.0, reply.done_at - reply.sent_at)
 
     def verdict(status: str, passed: int, detail: str) -> Verdict:
-        return Verdict(status, passed, total, detail[:DETAIL_CHARS], elapsed)  # type: ignore[arg-type]
+        return Verdict(status, passed, total, printable(detail), elapsed)  # type: ignore[arg-type]
 
     if reply.error is not None or reply.header is None:
         return verdict("error", 0, f"sandbox failure: {reply.error or 'no reply'}")
     header = reply.header
+    if header.get("exit") == VIOLATION_EXIT and not header.get("timed_out"):
+        return verdict("error", 0, f"forbidden operation: {_violation_reason(reply.payload)}")
+    if header.get("cleanup_ok") is False:
+        return verdict("error", 0, "sandbox cleanup failed (the server was restarted)")
     if header.get("truncated"):
         return verdict("error", 0, "result too large (output cap exceeded)")
     try:

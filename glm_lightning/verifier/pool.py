@@ -1,25 +1,29 @@
 """Parent side of the sandbox: start zygote processes and stream jobs through them. Runs in the trainer.
 
-Each zygote is a separate `python -I -S -B zygote.py` started with subprocess.Popen (fork+exec; the trainer itself
-is never forked into a sandbox). Where the kernel allows it the zygote is wrapped in
-`unshare --net --pid --fork --kill-child`: candidates then have no network at all, live in a PID namespace whose
-init is the zygote, and everything dies with the launcher. The launcher is chosen once per process by trying the
-strongest variant first; the zygote's start-up probe reports what is really enforced.
+Each worker is a separate `python -I -S -B launcher.py` started with subprocess.Popen (fork+exec; the trainer
+itself is never forked into a sandbox). The launcher creates the namespaces it can (mount, IPC, network, PID; plus a
+user namespace when not root), mounts private noexec tmpfs and execs the zygote; the zygote's start-up probe
+reports what is really enforced.
 
-Scheduling is a single-threaded selector loop over all zygotes: up to PIPELINE_DEPTH jobs are queued per zygote
-(so it never idles waiting for the parent), replies are parsed as they arrive, and a zygote that dies, desyncs or
-stops answering (timeout + grace) is killed and restarted, its current job reported as a sandbox failure and the
-rest of its queue re-sent elsewhere.
+Scheduling is a single-threaded selector loop over all zygotes: up to PIPELINE_DEPTH job frames are written per
+zygote. They wait in the kernel pipe, never in a process: each forked child reads exactly its own frame. Replies are
+parsed as they arrive, and a zygote that dies, desyncs or stops answering (timeout + GRACE_S) is killed and
+restarted, its current job reported as a sandbox failure and the rest of its queue re-sent elsewhere.
+
+Every pool owns a host scratch directory `glm-verifier-<pid>-*` (the candidates' working directories when no
+private tmpfs is available, and an `owner` file); a new pool removes the directories and kills the leftover
+servers of pools whose process died without closing them (SIGKILL of the trainer).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import marshal
 import os
 import pwd
 import selectors
-import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,16 +33,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import cleanup
 from .judge import Reply
 
-ZYGOTE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote.py")
+LAUNCHER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher.py")
 PIPELINE_DEPTH = 2
 START_TIMEOUT_S = 60.0
-GRACE_S = 3.0
+GRACE_S = 1.0
 STOP_WAIT_S = 2.0
-
-_LAUNCHER_LOCK = threading.Lock()
-_LAUNCHER_CACHE: dict[bool, int] = {}
+SCRATCH_PREFIX = "glm-verifier-"
 
 
 def unprivileged_ids() -> tuple[int | None, int | None]:
@@ -60,28 +63,83 @@ def scratch_parent() -> str | None:
     return None
 
 
-def launcher_candidates(as_root: bool) -> list[tuple[str, list[str]]]:
-    """Wrappers to try, strongest first. Non-root needs a user namespace to create the others."""
-    unshare = shutil.which("unshare") or "/usr/bin/unshare"
-    user = [] if as_root else ["--user", "--map-root-user"]
-    options = []
-    if os.path.exists(unshare):
-        options.append(("unshare " + " ".join(user + ["--net", "--pid", "--fork", "--kill-child"]),
-                        [unshare, *user, "--net", "--pid", "--fork", "--kill-child"]))
-        options.append(("unshare " + " ".join(user + ["--net"]), [unshare, *user, "--net"]))
-    options.append(("none", []))
-    return options
+def frame(job: dict[str, Any]) -> bytes:
+    """One job as the child reads it: a fixed-size length line, then the body (marshal: same interpreter, exact
+    types, no Python-level decoding in the child)."""
+    body = marshal.dumps(job)
+    return b"%010d\n" % len(body) + body
+
+
+def _start_time(pid: int) -> str | None:
+    """Kernel start time of a process (field 22 of /proc/PID/stat): tells a live owner from a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def reap_stale(parent: str | None) -> int:
+    """Remove scratch directories (and kill the servers) of pools whose owning process is gone. Returns a count."""
+    parent = parent or tempfile.gettempdir()
+    removed = 0
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(SCRATCH_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(parent, name)
+        try:
+            if not _ours(path) or not _ours(os.path.join(path, "owner")):
+                continue  # the parent directory is world-writable: only trust what we created ourselves
+            with open(os.path.join(path, "owner")) as fh:
+                fields = fh.read().split()
+            owner, started, servers = int(fields[0]), fields[1], [int(x) for x in fields[2:]]
+        except (OSError, ValueError, IndexError):
+            continue  # not (yet) a complete pool directory: leave it
+        if owner == os.getpid() or _start_time(owner) == started:
+            continue  # still alive
+        for server in servers:
+            _kill_stale_server(server)
+        if cleanup.remove_tree(path):
+            removed += 1
+    return removed
+
+
+def _ours(path: str) -> bool:
+    info = os.lstat(path)
+    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
+def _kill_stale_server(pgid: int) -> None:
+    """SIGKILL a dead pool's launcher process group, only if it still runs our launcher."""
+    try:
+        with open(f"/proc/{pgid}/cmdline", "rb") as fh:
+            if LAUNCHER_SCRIPT.encode() not in fh.read():
+                return
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 class ZygoteProcess:
-    """One running zygote: its Popen handle, raw pipe fds and start-up report."""
+    """One running sandbox server (launcher + zygote): its Popen handle, raw pipe fds and start-up report."""
 
-    def __init__(self, scratch: str, uid: int | None, gid: int | None, memory_mb: int) -> None:
+    def __init__(self, scratch: str, uid: int | None, gid: int | None, memory_mb: int, timeout_s: float) -> None:
         self.scratch = scratch
-        self.config = {"uid": uid, "gid": gid, "scratch": scratch, "memory_mb": memory_mb}
+        self.want_namespaces = os.environ.get("GLM_VERIFIER_NO_NAMESPACES") != "1"
+        self.config = {"uid": uid, "gid": gid, "scratch": scratch, "memory_mb": memory_mb, "timeout_s": timeout_s,
+                       "isolate": self.want_namespaces,
+                       # Test-only switch: shows what the kernel layer contains on its own. Never set in training.
+                       "audit_hook": os.environ.get("GLM_VERIFIER_UNSAFE_NO_AUDIT_HOOK") != "1"}
         self.proc: subprocess.Popen | None = None
         self.hello: dict[str, Any] = {}
-        self.launcher = "none"
+
+    @property
+    def launcher(self) -> str:
+        spaces = self.hello.get("sandbox", {}).get("namespaces", {})
+        names = [name for name in ("user", "mount", "ipc", "net", "pid") if spaces.get(name)]
+        return "launcher.py: " + ("+".join(names) + " namespaces" if names else "no namespaces")
 
     @property
     def in_fd(self) -> int:
@@ -94,39 +152,34 @@ class ZygoteProcess:
         return self.proc.stdout.fileno()
 
     def start(self) -> None:
-        """Start with the strongest launcher that works here (remembered for the rest of the process)."""
-        as_root = os.geteuid() == 0
-        options = launcher_candidates(as_root)
-        first = _LAUNCHER_CACHE.get(as_root, 0)
+        """Start with every namespace the kernel allows; if that cannot start at all, retry without any."""
         errors = []
-        for index in range(first, len(options)):
-            name, prefix = options[index]
+        for isolate in ([True, False] if self.want_namespaces else [False]):
+            self.config["isolate"] = isolate
             try:
-                self._start_with(prefix)
-            except (OSError, RuntimeError) as exc:
-                errors.append(f"{name}: {exc}")
+                self._start()
+                return
+            except (OSError, RuntimeError, ValueError) as exc:
+                errors.append(f"{'with' if isolate else 'without'} namespaces: {exc}")
                 self.stop()
-                continue
-            with _LAUNCHER_LOCK:
-                _LAUNCHER_CACHE[as_root] = index
-            self.launcher = name
-            return
         raise RuntimeError("could not start the sandbox server: " + "; ".join(errors))
 
-    def _start_with(self, prefix: list[str]) -> None:
-        cmd = [*prefix, sys.executable, "-I", "-S", "-B", ZYGOTE_SCRIPT, json.dumps(self.config)]
+    def _start(self) -> None:
+        cmd = [sys.executable, "-I", "-S", "-B", LAUNCHER_SCRIPT, json.dumps(self.config)]
         env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C.UTF-8",
                "OMP_NUM_THREADS": "1"}
         with tempfile.TemporaryFile() as stderr:  # the zygote only writes here if it crashes; kept for the message
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env,
-                                         cwd=self.scratch, close_fds=True, start_new_session=True)
+                                         cwd="/", close_fds=True, start_new_session=True)
             try:
                 line = _read_line(self.out_fd, time.monotonic() + START_TIMEOUT_S)
                 hello = json.loads(line)
                 if not isinstance(hello, dict) or hello.get("hello") != 1:
                     raise ValueError(f"bad hello {line[:100]!r}")
             except (RuntimeError, ValueError) as exc:
-                time.sleep(0.05)
+                if self.proc.poll() is None:
+                    self.proc.kill()
+                self.proc.wait()
                 stderr.seek(0)
                 tail = stderr.read()[-300:].decode(errors="replace").strip()
                 raise RuntimeError(f"{exc}{': ' + tail if tail else ''}") from None
@@ -138,7 +191,7 @@ class ZygoteProcess:
         os.set_blocking(self.out_fd, False)
 
     def stop(self) -> None:
-        """Close stdin (the zygote exits at EOF), then SIGTERM, then SIGKILL; always reap."""
+        """Close stdin (the zygote exits at EOF), then SIGTERM, then SIGKILL the group; always reap. Never raises."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -149,14 +202,21 @@ class ZygoteProcess:
             except OSError:
                 pass
         try:
-            proc.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
             try:
-                proc.wait(timeout=STOP_WAIT_S)
+                proc.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                proc.terminate()
+                try:
+                    proc.wait(timeout=STOP_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the zygote shares the launcher's process group
+            except OSError:
+                pass
+            proc.wait(timeout=STOP_WAIT_S)
+        except (OSError, subprocess.SubprocessError):
+            pass
 
 
 def _read_line(fd: int, deadline: float) -> bytes:
@@ -191,37 +251,64 @@ class _Lane:
     head_started: float = 0.0
     writing: bool = False
     failed: str | None = None
+    retire: bool = False  # the zygote announced it exits after its last reply: restart, re-queue, fail nothing
 
 
 class ZygotePool:
-    """`workers` zygotes sharing one private scratch directory; `run` is thread-safe (serialised)."""
+    """`workers` sandbox servers sharing one private host scratch directory; `run` is thread-safe (serialised)."""
 
-    def __init__(self, workers: int, memory_mb: int) -> None:
+    def __init__(self, workers: int, memory_mb: int, timeout_s: float = 2.0) -> None:
         self.uid, self.gid = unprivileged_ids()
-        self.scratch = tempfile.mkdtemp(prefix="glm-verifier-", dir=scratch_parent())
+        self.reaped = reap_stale(scratch_parent())
+        self.scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=scratch_parent())
         os.chmod(self.scratch, 0o711)  # the unprivileged child must traverse it, never list or write it
         self.memory_mb = memory_mb
+        self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.zygotes: list[ZygoteProcess] = []
         self.closed = False
         try:
             for _ in range(workers):
-                zygote = ZygoteProcess(self.scratch, self.uid, self.gid, memory_mb)
+                zygote = ZygoteProcess(self.scratch, self.uid, self.gid, memory_mb, timeout_s)
                 zygote.start()
                 self.zygotes.append(zygote)
+                self._write_owner()
         except BaseException:
             self.close()
             raise
+
+    def _write_owner(self) -> None:
+        """`<pid> <start time> <server process groups...>`, replaced atomically; read by reap_stale."""
+        servers = " ".join(str(z.proc.pid) for z in self.zygotes if z.proc is not None)
+        tmp = os.path.join(self.scratch, ".owner")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+            fh.write(f"{os.getpid()} {_start_time(os.getpid())} {servers}\n")
+        os.replace(tmp, os.path.join(self.scratch, "owner"))
+
+    def _restart(self, zygote: ZygoteProcess) -> None:
+        zygote.stop()
+        zygote.start()
+        try:
+            self._write_owner()
+        except OSError:
+            pass
 
     def next_id(self) -> int:
         return next(self._ids)  # atomic under the GIL: callers need not hold the lock
 
     def close(self) -> None:
+        """Stop every server and remove the scratch directory. Idempotent; never raises."""
         self.closed = True
         for zygote in self.zygotes:
-            zygote.stop()
-        shutil.rmtree(self.scratch, ignore_errors=True)
+            try:
+                zygote.stop()
+            except Exception:  # noqa: BLE001 - close must not raise
+                pass
+        try:
+            cleanup.remove_tree(self.scratch)
+        except Exception:  # noqa: BLE001
+            pass
 
     def run(self, jobs: list[dict[str, Any]], timeout_s: float) -> list[Reply]:
         """Run every job, in parallel across zygotes; replies in job order."""
@@ -230,8 +317,7 @@ class ZygotePool:
                 raise RuntimeError("the verifier is closed")
             for zygote in self.zygotes:
                 if zygote.proc is None or zygote.proc.poll() is not None:
-                    zygote.stop()
-                    zygote.start()
+                    self._restart(zygote)
             try:
                 return self._run(jobs, timeout_s)
             except BaseException:
@@ -244,7 +330,7 @@ class ZygotePool:
     def _run(self, jobs: list[dict[str, Any]], timeout_s: float) -> list[Reply]:
         results: list[Reply | None] = [None] * len(jobs)
         sent_at = [0.0] * len(jobs)
-        lines = [(json.dumps(job) + "\n").encode() for job in jobs]
+        lines = [frame(job) for job in jobs]
         pending = deque(range(len(jobs)))
         lanes = [_Lane(z) for z in self.zygotes]
         budget = timeout_s + GRACE_S
@@ -255,7 +341,7 @@ class ZygotePool:
             while pending or any(lane.inflight for lane in lanes):
                 now = time.monotonic()
                 for lane in lanes:
-                    while pending and len(lane.inflight) < PIPELINE_DEPTH:
+                    while pending and len(lane.inflight) < PIPELINE_DEPTH and not lane.retire:
                         index = pending.popleft()
                         if not lane.inflight:
                             lane.head_started = now
@@ -276,7 +362,7 @@ class ZygotePool:
                 for lane in lanes:
                     if lane.failed is None and lane.inflight and now > lane.head_started + budget:
                         lane.failed = "sandbox server stopped responding"
-                    if lane.failed is not None:
+                    if lane.failed is not None or (lane.retire and not lane.inbuf):
                         self._recover(sel, lane, pending, results, sent_at)
         finally:
             sel.close()
@@ -340,13 +426,16 @@ class ZygotePool:
                 return
             else:
                 results[index] = Reply(header, payload, None, sent_at[index], now)
+                if header.get("cleanup_ok") is False:
+                    lane.retire = True
+                    return
             lane.head_started = now
 
     def _recover(self, sel: selectors.BaseSelector, lane: _Lane, pending: deque, results: list,
                  sent_at: list[float]) -> None:
         """Kill and restart a broken zygote; its current job fails, the rest of its queue is retried."""
         reason = lane.failed
-        if lane.inflight:
+        if lane.inflight and reason is not None and not lane.retire:
             index = lane.inflight.popleft()
             results[index] = Reply(None, b"", reason, sent_at[index], time.monotonic())
         pending.extendleft(reversed(lane.inflight))
@@ -355,9 +444,9 @@ class ZygotePool:
                 sel.unregister(fd)
             except (KeyError, ValueError):
                 pass
-        lane.zygote.stop()
-        lane.zygote.start()
+        self._restart(lane.zygote)
         lane.inflight.clear()
+        lane.retire = False
         lane.outbuf.clear()
         lane.inbuf.clear()
         lane.writing = False

@@ -140,8 +140,12 @@ def make_encoder(strict: bool) -> Callable[[Any], str]:
 encode = make_encoder(strict=True)
 
 
-def decode(tagged: Any, _depth: int = 0) -> Any:
-    """Inverse of the encoder, applied to an already `json.loads`-ed tagged value. Strict: raises DecodeError."""
+def decode(tagged: Any, _depth: int = 0, untrusted: bool = False) -> Any:
+    """Inverse of the encoder, applied to an already `json.loads`-ed tagged value. Strict: raises DecodeError.
+
+    untrusted=True (values reported by a sandbox child): dicts become `Pairs`, indexed by the canonical text of each
+    key, so a child cannot make the parent hash thousands of colliding keys (quadratic dict insertion).
+    """
     if _depth > MAX_DEPTH + 1 or type(tagged) is not list or not tagged or type(tagged[0]) is not str:
         raise DecodeError("malformed tagged value")
     tag, n = tagged[0], len(tagged)
@@ -159,13 +163,20 @@ def decode(tagged: Any, _depth: int = 0) -> Any:
         if tag == "y" and n == 2 and type(tagged[1]) is str:
             return bytes.fromhex(tagged[1])
         if tag in ("l", "t") and n == 2 and type(tagged[1]) is list:
-            items = [decode(item, _depth + 1) for item in tagged[1]]
+            items = [decode(item, _depth + 1, untrusted) for item in tagged[1]]
             return items if tag == "l" else tuple(items)
         if tag == "d" and n == 2 and type(tagged[1]) is list:
-            out = {}
             for pair in tagged[1]:
                 if type(pair) is not list or len(pair) != 2:
                     raise DecodeError("malformed dict item")
+            if untrusted:
+                items = []
+                for index, (key_tag, value_tag) in enumerate(tagged[1]):
+                    key = decode(key_tag, _depth + 1, True)
+                    items.append((canonical(key, index), key, decode(value_tag, _depth + 1, True)))
+                return Pairs(items)
+            out = {}
+            for pair in tagged[1]:
                 out[decode(pair[0], _depth + 1)] = decode(pair[1], _depth + 1)
             return out
     except DecodeError:
@@ -173,6 +184,27 @@ def decode(tagged: Any, _depth: int = 0) -> Any:
     except (ValueError, TypeError, UnicodeError, OverflowError, RecursionError) as exc:
         raise DecodeError(f"malformed {tag!r} value: {type(exc).__name__}") from None
     raise DecodeError(f"unknown tag {tag!r}")
+
+
+def canonical(value: Any, index: int) -> str:
+    """The encoder's text for a decoded key: equal text means equal value with equal types. Keys that cannot be
+    dict keys (lists, dicts, unsupported values) get a text no expected key can have."""
+    try:
+        return encode(value)
+    except EncodeError:
+        return f"unmatchable key {index}"
+
+
+class Pairs:
+    """A dict as reported by a sandbox child: (canonical key text, key, value) triples, never hashed by value."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: list[tuple[str, Any, Any]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 class Unsupported:
@@ -191,10 +223,10 @@ def decode_result(tagged: Any) -> Any:
     """Like `decode`, but also accepts the child-only ["u", hexreason] tag at the top level."""
     if type(tagged) is list and len(tagged) == 2 and tagged[0] == "u" and type(tagged[1]) is str:
         try:
-            return Unsupported(bytes.fromhex(tagged[1]).decode("utf-8", "replace")[:80])
+            return Unsupported(bytes.fromhex(tagged[1][:400]).decode("utf-8", "replace")[:80])
         except ValueError:
             raise DecodeError("malformed 'u' value") from None
-    return decode(tagged)
+    return decode(tagged, untrusted=True)
 
 
 def dumps(value: Any) -> str:

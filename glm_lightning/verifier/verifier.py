@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import keyword
 import math
 import secrets
@@ -45,15 +44,20 @@ class Verifier:
         self.timeout_s = float(timeout_s)
         self.memory_mb = memory_mb
         self.workers = workers
-        self._pool = ZygotePool(workers, memory_mb)
+        self._pool = ZygotePool(workers, memory_mb, self.timeout_s)
         self._finalizer = weakref.finalize(self, self._pool.close)  # also runs at interpreter exit
-        self.stats: dict[str, float] = {"candidates": 0, "fork_setup_s": 0.0, "run_s": 0.0, "collect_s": 0.0,
-                                        "round_trip_s": 0.0}
+        self.stats: dict[str, float] = {"candidates": 0, "fork_s": 0.0, "setup_s": 0.0, "run_s": 0.0,
+                                        "cleanup_s": 0.0, "round_trip_s": 0.0}
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop every zygote (and with it any running candidate) and remove the scratch directory. Idempotent."""
-        self._finalizer()
+        """Stop every zygote (and with it any running candidate) and remove the scratch directory.
+
+        Idempotent and never raises."""
+        try:
+            self._finalizer()
+        except Exception:  # noqa: BLE001 - closing must never take the trainer down
+            pass
 
     @property
     def closed(self) -> bool:
@@ -68,21 +72,35 @@ class Verifier:
     # -- reporting -----------------------------------------------------------------------------------------------
     @property
     def protections(self) -> dict[str, Any]:
-        """What isolates candidates here, as detected at start-up (see docs/verifier.md)."""
+        """What isolates candidates here, as detected at start-up (see docs/verifier.md, "Fallback")."""
         zygote = self._pool.zygotes[0]
         probe = zygote.hello.get("probe", {})
-        launcher = zygote.launcher
+        sandbox = zygote.hello.get("sandbox", {})
+        spaces = sandbox.get("namespaces", {})
+        private = sandbox.get("private_tmpfs", [])
+        noexec = probe.get("noexec", [])
         return {
-            "process_model": "zygote: clean `python -I -S -B` server per worker, one forked child per candidate",
-            "launcher": launcher,
+            "process_model": "launcher.py (namespaces) -> zygote per worker; one forked child per job, which reads "
+                             "its own job from the pipe (the zygote never holds job or result bytes)",
+            "launcher": zygote.launcher,
+            "user_namespace": bool(spaces.get("user")),
+            "mount_namespace": bool(spaces.get("mount")),
+            "private_tmpfs": [p for p in private if p in noexec or p == "/tmp/.glm-work"],
+            "tmpfs_noexec": sorted(noexec),
+            "readonly_remounts": sandbox.get("readonly_remounts", 0),
+            "ipc_namespace": bool(spaces.get("ipc")),
+            "sysv_ipc_disabled": bool(probe.get("sysv_ipc_disabled")),
             "network_namespace": probe.get("interfaces") == ["lo"] and probe.get("loopback") != "connected",
             "loopback_probe": probe.get("loopback"),
             "pid_namespace": bool(probe.get("pid_namespace")),
-            "kill_on_parent_exit": "--kill-child" in launcher,
+            "private_proc": bool(sandbox.get("private_proc")) and probe.get("visible_processes", 99) <= 2,
+            "memfd_noexec": probe.get("memfd_noexec") == "2",
+            "kill_on_parent_exit": True,
             "unprivileged_uid": probe.get("uid") if probe.get("uid") not in (None, 0) else None,
             "nproc_enforced": bool(probe.get("fork_blocked")),
             "outside_write_blocked": bool(probe.get("outside_write_blocked")),
-            "audit_hook": True,
+            "audit_hook": bool(zygote.config.get("audit_hook", True)),
+            "violations_fatal": True,
             "rlimits": {"cpu_s": int(self.timeout_s) + 2, "address_space_mb": self.memory_mb,
                         "file_size_bytes": child.FILE_SIZE_LIMIT, "open_files": child.OPEN_FILES_LIMIT,
                         "processes": 0, "core_bytes": 0},
@@ -92,8 +110,12 @@ class Verifier:
             "private_workdir": True,
             "stdio_devnull": True,
             "expected_values_in_child": False,
+            "one_job_per_child": True,
+            "max_result_bytes": zygote.hello.get("max_result_bytes"),
+            "stale_servers_reaped_at_start": self._pool.reaped,
             "pidfd": bool(probe.get("pidfd")),
             "preloaded_modules": len(zygote.hello.get("preloaded", [])),
+            "setup_errors": sandbox.get("errors", []),
         }
 
     # -- checking ------------------------------------------------------------------------------------------------
@@ -120,8 +142,7 @@ class Verifier:
         jobs = []
         for source, entry_point, inputs, _ in prepared:
             jobs.append({"id": self._pool.next_id(), "source": source, "entry_point": entry_point,
-                         "inputs": inputs, "nonce": secrets.token_hex(8), "timeout_s": self.timeout_s,
-                         "memory_mb": self.memory_mb})
+                         "inputs": inputs, "nonce": secrets.token_hex(8)})
         replies = self._pool.run(jobs, self.timeout_s)
         verdicts = []
         for job, (_, entry_point, _, tests), reply in zip(jobs, prepared, replies):
@@ -130,26 +151,28 @@ class Verifier:
         return verdicts
 
     def _record_timing(self, reply: Any) -> None:
-        """Accumulate the per-candidate cost breakdown (used by the benchmark)."""
+        """Accumulate the per-candidate cost breakdown (used by the benchmark): fork, setup, run, cleanup."""
         header = reply.header
         if reply.error is not None or not header or header.get("timed_out"):
             return
         try:
-            started = float(reply.payload.split(b"\n", 1)[0][5:-1])  # ["t",<time>]
-            t_fork, t_exit, t_done = float(header["t_fork"]), float(header["t_exit"]), float(header["t_done"])
+            started = float(reply.payload.split(b"\n", 1)[0][5:-1])  # ["t",<time>]: confinement done
+            t_fork, t_child, t_job = float(header["t_fork"]), float(header["t_child"]), float(header["t_job"])
+            t_exit, t_done = float(header["t_exit"]), float(header["t_done"])
         except (ValueError, KeyError, TypeError, IndexError):
             return
-        if not t_fork <= started <= t_exit <= t_done:
+        if not t_fork <= t_child <= t_job <= started <= t_exit <= t_done:
             return
         self.stats["candidates"] += 1
-        self.stats["fork_setup_s"] += started - t_fork
+        self.stats["fork_s"] += t_child - t_fork
+        self.stats["setup_s"] += started - t_job
         self.stats["run_s"] += t_exit - started
-        self.stats["collect_s"] += t_done - t_exit
+        self.stats["cleanup_s"] += t_done - t_exit
         self.stats["round_trip_s"] += reply.done_at - reply.sent_at
 
 
 def _prepare(source: Any, entry_point: Any, tests: Any) -> tuple[str, str, list, list[Test]]:
-    """Validate one item; returns (source, entry_point, tagged inputs, tests with expected values snapshotted)."""
+    """Validate one item; returns (source, entry_point, argument tuples, tests with expected values snapshotted)."""
     if not isinstance(source, str):
         raise TypeError(f"source must be a str, got {type(source).__name__}")
     source = str.__str__(source)
@@ -176,7 +199,7 @@ def _prepare(source: Any, entry_point: Any, tests: Any) -> tuple[str, str, list,
             expected_value = protocol.loads(protocol.encode(expected))
         except protocol.EncodeError as exc:
             raise TypeError(f"test {index}: {exc}") from None
-        inputs.append(json.loads(args_text))
+        inputs.append(protocol.loads(args_text))  # a fresh copy of the validated arguments, exact types
         snapshot.append((args, expected_value))
     return source, entry_point, inputs, snapshot
 

@@ -1,17 +1,22 @@
 """The sandbox server ("zygote"): a clean, single-threaded interpreter that forks one child per candidate.
 
 Why: forking the (multithreaded) trainer can deadlock and would copy its memory, secrets and open files into the
-child, while a fresh interpreter per candidate costs tens of ms of CPU. So the parent starts this script once per worker
-with `subprocess.Popen([python, "-I", "-S", "-B", zygote.py, CONFIG])` (fork+exec, optionally wrapped in
-`unshare --net --pid --fork --kill-child`), and this process forks a confined child per job.
+child, while a fresh interpreter per candidate costs tens of ms of CPU. So the parent starts launcher.py once per
+worker (namespaces, private tmpfs), which execs this script; this process then forks one confined child per job.
 
-Protocol on stdin/stdout (the child never keeps these: it points 0/1/2 at /dev/null):
-    parent -> zygote: one JSON object per line: {"id", "source", "entry_point", "inputs", "nonce", "timeout_s",
-                      "memory_mb"}; EOF means shut down.
+One job per child, and no job ever passes through this process: the zygote forks the child *first*, and the child
+itself reads exactly one length-prefixed job frame from stdin (never more), tells the zygote on a private control
+pipe that it has started, and closes stdin before candidate code runs. The child's result bytes are moved to the
+parent with splice(2) through a kernel staging pipe, so neither jobs nor results of other candidates are ever in
+this process's memory, and so never in the memory a later child inherits.
+
+Protocol on stdin/stdout:
+    parent -> child:  b"%010d\\n" % len(body) + body, body = marshal of {"id", "source", "entry_point",
+                      "inputs" (argument tuples), "nonce"}; EOF means shut down.
     zygote -> parent: first a hello line {"hello": 1, "probe": {...}, ...}; then per job one JSON header line
-                      {"id", "exit", "timed_out", "truncated", "n", "t_fork", "t_exit", "t_done"} followed by
-                      exactly n raw bytes: what the child wrote to its private result pipe (capped).
-The zygote only relays bytes and enforces the wall-clock limit; the trusted parent interprets them (judge.py).
+                      {"id", "exit", "timed_out", "truncated", "n", "t_fork", "t_child", "t_job", "t_exit", "t_done",
+                      "cleanup_ok"} followed by exactly n raw bytes: what the child wrote to its result pipe (capped).
+The zygote only relays bytes, enforces the wall-clock limit and cleans up; the trusted parent interprets the bytes.
 
 Stdlib only. Runs as a script, so it imports its siblings as top-level modules and then removes its own directory
 from sys.path again.
@@ -19,6 +24,7 @@ from sys.path again.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import os
@@ -31,6 +37,7 @@ from typing import Any, Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import child  # noqa: E402
+import cleanup  # noqa: E402
 import guards  # noqa: E402
 
 sys.path.remove(HERE)
@@ -42,18 +49,35 @@ PRELOAD = ("math", "re", "itertools", "functools", "collections", "string", "hea
            "typing")
 DEFAULT_MAX_RESULT_BYTES = 1 << 20
 PROBE_TIMEOUT_S = 5.0
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+REAP_WAIT_S = 1.0
 
 
 class Zygote:
-    """Fork-per-job server state: configuration, scratch directory and a job counter."""
+    """Fork-per-job server state: configuration, staging pipe, scratch directory and a job counter."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
         self.scratch = config["scratch"]
-        self.max_result_bytes = int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES))
+        self.timeout_s = float(config.get("timeout_s", 2.0))
         self.counter = 0
         self.has_pidfd = hasattr(os, "pidfd_open")
         self.current_pid: int | None = None
+        self.pid1 = os.getpid() == 1
+        private = config.get("sandbox", {}).get("private_tmpfs", [])
+        self.wipe_dirs = [p for p in SHARED_TMP if p in private]  # ours to empty: private to this namespace
+        self.clean_stamp: dict[str, tuple[int, int]] = {}  # (mtime, ctime) of each after its last wipe
+        self.sweep_dirs = [p for p in SHARED_TMP if p not in private and config.get("uid") is not None]
+        self.stage_r, self.stage_w = os.pipe()
+        wanted = int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES))
+        for size in (4 * wanted, 2 * wanted, wanted):  # slack: spliced pages may be partly filled
+            try:
+                fcntl.fcntl(self.stage_w, fcntl.F_SETPIPE_SZ, size)
+                break
+            except OSError:
+                continue
+        self.max_result_bytes = min(wanted, fcntl.fcntl(self.stage_w, fcntl.F_GETPIPE_SZ))
+        os.set_blocking(self.stage_w, False)
 
     # -- per-job working directory -------------------------------------------------------------------------------
     def _make_workdir(self) -> str:
@@ -64,86 +88,113 @@ class Zygote:
             os.chown(path, self.config["uid"], self.config["gid"])
         return path
 
+    def _cleanup(self, workdir: str, started: float) -> bool:
+        """Remove everything the candidate could have left: processes, its directory, the shared temp dirs."""
+        self._kill_everything()
+        ok = cleanup.remove_tree(workdir)
+        for path in self.wipe_dirs:
+            if self._stamp(path) == self.clean_stamp.get(path):
+                continue  # unchanged since it was last emptied (entries change the directory's mtime)
+            ok = cleanup.wipe(path, keep=frozenset({os.path.basename(self.scratch)}) if path == "/tmp" else
+                              frozenset()) and ok
+            self.clean_stamp[path] = self._stamp(path)
+        for path in self.sweep_dirs:  # no private tmpfs: remove what the sandbox uid created during this run
+            ok = _sweep_owned(path, self.config["uid"], started) and ok
+        return ok
+
     @staticmethod
-    def _remove_workdir(path: str) -> None:
-        """Delete the candidate's directory tree (without shutil: it would drag zlib/bz2/lzma into every fork)."""
+    def _stamp(path: str) -> tuple[int, int] | None:
+        """mtime and ctime of a root-owned directory: a sandbox uid cannot reset them (utime needs ownership)."""
         try:
-            os.rmdir(path)
-            return
+            info = os.stat(path)
         except OSError:
-            pass
-        for root, dirs, _files in os.walk(path):  # the candidate may have made its directories unreadable
-            for name in dirs:
-                full = os.path.join(root, name)
-                try:
-                    if not os.path.islink(full):
-                        os.chmod(full, 0o700)
-                except OSError:
-                    pass
-        for root, dirs, files in os.walk(path, topdown=False):
-            for name in files + dirs:
-                full = os.path.join(root, name)
-                try:
-                    if name in dirs and not os.path.islink(full):
-                        os.rmdir(full)
-                    else:
-                        os.unlink(full)
-                except OSError:
-                    pass
-        try:
-            os.rmdir(path)
-        except OSError:
-            pass
+            return None
+        return info.st_mtime_ns, info.st_ctime_ns
 
     # -- fork, supervise, collect --------------------------------------------------------------------------------
-    def spawn(self, target: Callable, job: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], bytes]:
-        """Fork `target(job, result_fd, workdir, config)` and collect its result bytes within `timeout_s`."""
-        config = dict(self.config, timeout_s=job.get("timeout_s", timeout_s),
-                      memory_mb=job.get("memory_mb", self.config.get("memory_mb", 256)))
+    def run_job(self) -> bool:
+        """Fork a child that reads one job from stdin; relay its result. Returns False when stdin is closed.
+
+        The zygote only polls stdin (it never reads it), so no process sits idle between jobs and no job byte ever
+        enters this process.
+        """
+        poller = select.poll()
+        poller.register(0, select.POLLIN)
+        events = poller.poll()[0][1]
+        if not events & select.POLLIN:
+            return False  # hang-up without data: the parent closed us
         workdir = self._make_workdir()
-        read_fd, write_fd = os.pipe()
+        ctl_r, ctl_w = os.pipe()
+        res_r, res_w = os.pipe()
+        os.set_blocking(res_r, False)
         t_fork = time.monotonic()
         pid = os.fork()
         if pid == 0:  # child: never returns into the server loop
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.close(read_fd)
-                target(job, write_fd, workdir, config)
+                for fd in (ctl_r, res_r, self.stage_r, self.stage_w):
+                    os.close(fd)
+                child.run_candidate(ctl_w, res_w, workdir, self.config, t_fork)
             finally:
                 os._exit(child.EXIT_INTERNAL_ERROR)
         self.current_pid = pid
-        os.close(write_fd)
-        try:
-            os.setpgid(pid, pid)
-        except OSError:
-            pass  # the child already called setsid()
-        pidfd = None
+        os.close(ctl_w)
+        os.close(res_w)
+        pidfd = self._pidfd(pid)
+        # The job is already waiting in the pipe, so the deadline runs from the fork; the child's start report
+        # stays in its control pipe until the child is gone (no extra wake-up per job).
+        header = self._collect(pid, pidfd, res_r, t_fork + self.timeout_s)
+        started = _read_report(ctl_r)
+        os.close(ctl_r)
+        if started is None:  # stdin closed (shutdown) or the job frame was unreadable
+            cleanup.remove_tree(workdir)
+            self._kill_everything()
+            return False
+        header.update({"id": started.get("id"), "t_fork": t_fork, "t_child": started.get("t_child"),
+                       "t_job": started["t_job"]})
+        header["cleanup_ok"] = self._cleanup(workdir, t_fork)
+        header["t_done"] = time.monotonic()
+        self._reply(header)
+        return header["cleanup_ok"]  # if anything survived cleanup, exit: the parent starts a fresh namespace
+
+    def _pidfd(self, pid: int) -> int | None:
         if self.has_pidfd:
             try:
-                pidfd = os.pidfd_open(pid)
+                return os.pidfd_open(pid)
             except OSError:
-                pidfd = None
-        chunks: list[bytes] = []
-        size, truncated, timed_out, status = 0, False, False, None
-        deadline = t_fork + timeout_s
+                return None
+        return None
+
+    def _collect(self, pid: int, pidfd: int | None, res_r: int, deadline: float) -> dict[str, Any]:
+        """Move the child's bytes into the staging pipe until it exits, overflows or runs out of time."""
+        size, truncated, timed_out, status, hangup = 0, False, False, None, False
+        poller = select.poll()
+        poller.register(res_r, select.POLLIN)
+        poller.register(0, 0)
+        if pidfd is not None:
+            poller.register(pidfd, select.POLLIN)
         pipe_open = True
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = True
                 break
-            watch = ([read_fd] if pipe_open else []) + ([pidfd] if pidfd is not None else [])
-            ready, _, _ = select.select(watch, [], [], remaining if pidfd is not None else min(remaining, 0.002))
-            if read_fd in ready:
-                data = os.read(read_fd, 1 << 16)
-                if not data:
+            wait_ms = remaining * 1000 if pidfd is not None else min(remaining * 1000, 2)
+            ready = dict(poller.poll(max(1, int(wait_ms + 0.999))))
+            if ready.get(0, 0) & (select.POLLHUP | select.POLLERR):
+                hangup = True
+                break
+            if pipe_open and res_r in ready:
+                moved = self._splice(res_r, size)
+                if moved == -1 and ready[res_r] & select.POLLIN:
+                    moved = None  # readable, yet nothing moved: the staging pipe is full
+                if moved is None:
+                    truncated = True
+                    break
+                if moved == 0:  # end of file: every writer closed it
                     pipe_open = False
-                else:
-                    size += len(data)
-                    if size > self.max_result_bytes:
-                        truncated = True
-                        break
-                    chunks.append(data)
+                    poller.unregister(res_r)
+                size += max(0, moved)
             if pidfd is not None and pidfd in ready:
                 break
             if pidfd is None:
@@ -152,23 +203,63 @@ class Zygote:
                     status = raw
                     break
         t_exit = time.monotonic()
+        status = self._finish(pid, pidfd, None, status)
+        if not truncated:
+            while True:  # what the child wrote just before exiting
+                moved = self._splice(res_r, size)
+                if moved is None or moved <= 0:
+                    truncated = moved is None
+                    break
+                size += moved
+        os.close(res_r)
+        if hangup:
+            self._kill_everything()
+            os._exit(0)
+        return {"exit": os.waitstatus_to_exitcode(status), "timed_out": timed_out, "truncated": truncated,
+                "n": size, "t_exit": t_exit}
+
+    def _splice(self, res_r: int, size: int) -> int | None:
+        """Move available bytes kernel-side into the staging pipe.
+
+        Returns the number moved, 0 at end of file, -1 when nothing is available now, None when over the cap.
+        """
+        room = self.max_result_bytes - size
+        try:
+            if room <= 0:
+                return None if os.read(res_r, 1) else 0  # one more byte means the cap is exceeded
+            return os.splice(res_r, self.stage_w, room, flags=os.SPLICE_F_NONBLOCK)
+        except BlockingIOError:
+            return -1
+
+    def _finish(self, pid: int, pidfd: int | None, res_r: int | None, status: int | None = None) -> int:
+        """SIGKILL the child's process group (and everything else in our PID namespace), reap it, close fds."""
         self._kill_group(pid)
         if status is None:
             status = os.waitpid(pid, 0)[1]
         self.current_pid = None
-        if not truncated:
-            size = self._drain(read_fd, chunks, size)
-            truncated = size > self.max_result_bytes
-        os.close(read_fd)
         if pidfd is not None:
             os.close(pidfd)
-        self._remove_workdir(workdir)
-        self._reap_orphans()
-        payload = b"".join(chunks)[: self.max_result_bytes]
-        header = {"id": job.get("id"), "exit": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
-                  "truncated": truncated, "n": len(payload), "t_fork": t_fork, "t_exit": t_exit,
-                  "t_done": time.monotonic()}
-        return header, payload
+        if res_r is not None:
+            os.close(res_r)
+        return status
+
+    def _kill_everything(self) -> None:
+        """As PID 1 of our namespace, kill(-1) reaches every process but us; then reap them all (bounded)."""
+        if self.pid1:
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass
+        deadline = time.monotonic() + REAP_WAIT_S
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                if not self.pid1 or time.monotonic() > deadline:
+                    return  # outside a PID namespace only our own children are ours to wait for
+                select.select([], [], [], 0.001)  # killed processes still exiting (bounded by REAP_WAIT_S)
 
     @staticmethod
     def _kill_group(pid: int) -> None:
@@ -179,41 +270,77 @@ class Zygote:
             except OSError:
                 pass
 
-    def _drain(self, fd: int, chunks: list[bytes], size: int) -> int:
-        """Read what is left in the pipe without blocking (a writer that escaped the kill must not hang us)."""
-        os.set_blocking(fd, False)
-        while size <= self.max_result_bytes:
-            try:
-                data = os.read(fd, 1 << 16)
-            except BlockingIOError:
-                break
-            if not data:
-                break
-            size += len(data)
-            chunks.append(data)
-        return size
-
-    @staticmethod
-    def _reap_orphans() -> None:
-        """As PID 1 of a PID namespace we inherit every orphan; reap them so none stays a zombie."""
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+    def _reply(self, header: dict[str, Any]) -> None:
+        """Header line, then the staged bytes, moved kernel-side to stdout."""
+        _write_all(1, json.dumps(header).encode() + b"\n")
+        left = header["n"]
+        while left > 0:
+            moved = os.splice(self.stage_r, 1, left)
+            if moved <= 0:
+                raise RuntimeError("staging pipe ran dry")
+            left -= moved
 
     # -- start-up probe ------------------------------------------------------------------------------------------
     def probe(self) -> dict[str, Any]:
-        header, payload = self.spawn(child.probe, {"id": "probe", "timeout_s": PROBE_TIMEOUT_S}, PROBE_TIMEOUT_S)
+        """Run child.probe confined like a candidate and read its one-line report (small: read directly)."""
+        workdir = self._make_workdir()
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(read_fd)
+                child.probe(write_fd, workdir, dict(self.config, timeout_s=PROBE_TIMEOUT_S))
+            finally:
+                os._exit(child.EXIT_INTERNAL_ERROR)
+        os.close(write_fd)
+        data, deadline = b"", time.monotonic() + PROBE_TIMEOUT_S
+        while time.monotonic() < deadline and b"\n" not in data:
+            ready, _, _ = select.select([read_fd], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(read_fd, 1 << 16) if ready else b""
+            if not chunk:
+                break
+            data += chunk
+        self._finish(pid, None, read_fd)
+        self._cleanup(workdir, 0.0)
         try:
-            report = json.loads(payload.decode().splitlines()[0])
+            report = json.loads(data.decode().splitlines()[0])
         except (ValueError, IndexError):
-            report = {"error": f"probe failed (exit {header['exit']}, timed out {header['timed_out']})"}
-        report["pid_namespace"] = os.getpid() == 1
+            report = {"error": "probe failed"}
+        report["pid_namespace"] = self.pid1
         report["pidfd"] = self.has_pidfd
         return report
+
+
+def _read_report(ctl_r: int) -> dict[str, Any] | None:
+    """The child's one-line start report ({"id", "t_child", "t_job"}), written before any candidate code ran."""
+    os.set_blocking(ctl_r, False)
+    try:
+        data = os.read(ctl_r, 4096)
+        report = json.loads(data.split(b"\n", 1)[0])
+        float(report["t_job"])
+        return report
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _sweep_owned(path: str, uid: int, since: float) -> bool:
+    """Fallback without a private tmpfs: delete top-level entries of `path` owned by the sandbox uid."""
+    ok = True
+    try:
+        with os.scandir(path) as entries:
+            owned = [e.path for e in entries if _owner(e) == uid]
+    except OSError:
+        return True
+    for entry in owned:
+        ok = cleanup.remove_tree(entry) and ok
+    return ok
+
+
+def _owner(entry: os.DirEntry) -> int | None:
+    try:
+        return entry.stat(follow_symlinks=False).st_uid
+    except OSError:
+        return None
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -222,28 +349,11 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _reply(header: dict[str, Any], payload: bytes = b"") -> None:
-    _write_all(1, json.dumps(header).encode() + b"\n" + payload)
-
-
 def serve(zygote: Zygote) -> None:
-    """Read jobs from stdin until EOF; one job at a time (the parent pipelines and runs several zygotes)."""
-    buffer = b""
-    while True:
-        data = os.read(0, 1 << 16)
-        if not data:
-            return
-        buffer += data
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            try:
-                job = json.loads(line)
-                timeout_s = float(job["timeout_s"])
-            except (ValueError, KeyError, TypeError) as exc:
-                _reply({"id": None, "bad_request": f"{type(exc).__name__}: {exc}"[:200], "n": 0})
-                continue
-            header, payload = zygote.spawn(child.run_candidate, job, timeout_s)
-            _reply(header, payload)
+    """One forked child per job until stdin is closed or a cleanup failed (the parent then restarts us)."""
+    while zygote.run_job():
+        pass
+    zygote._kill_everything()
 
 
 def main() -> None:
@@ -256,6 +366,8 @@ def main() -> None:
             preloaded.append(name)
         except ImportError:
             pass
+    if config.get("audit_hook", True):
+        guards.remove_functions()  # once here instead of in every child
     config["read_roots"] = list(guards.stdlib_roots())
     config["packages"] = child.packages_under(config["read_roots"])
     zygote = Zygote(config)
@@ -267,10 +379,12 @@ def main() -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     gc.freeze()  # keep the collector from touching (and copy-on-write faulting) the preloaded objects in children
     hello = {"hello": 1, "pid": os.getpid(), "python": sys.version.split()[0], "probe": zygote.probe(),
-             "preloaded": preloaded}
-    _reply(hello)
+             "preloaded": preloaded, "sandbox": config.get("sandbox", {}),
+             "max_result_bytes": zygote.max_result_bytes}
+    _write_all(1, json.dumps(hello).encode() + b"\n")
     serve(zygote)
 
 
