@@ -49,7 +49,8 @@ def train_step(model: GLMModel, opt: torch.optim.Optimizer, ids: torch.Tensor) -
 
 
 def is_aten(name: str) -> bool:
-    return name.startswith("aten::")
+    """A dispatched op: ATen's, or one of the model's own C++ ops (glm_lightning/model/cext.py), counted alike."""
+    return name.startswith(("aten::", "glm_lightning::"))
 
 
 def make_optimizer(model: GLMModel) -> torch.optim.Optimizer:
