@@ -2,7 +2,7 @@
 `torch.ops.load_library`; every caller keeps its eager path as the fallback.
 
 Why: the study model is bound by dispatch overhead (~15 us per ATen op), and an mHC site's Sinkhorn issues ~270 ops
-for 20 iterations; as one C++ op forward and one backward it issues 2. No ninja and no pybind: one g++ call on the
+for 20 iterations (as one C++ op forward and one backward: 2), and the KDA chunk hand-off ~10 per chunk (1). No ninja and no pybind: one g++ call on the
 sources with torch's headers, registering the ops through TORCH_LIBRARY (schema `glm_lightning::...`).
 
     GLM_LIGHTNING_EXT=auto (default)  build at first use (about 20 s of CPU, once per source/torch version) and use it
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = (Path(__file__).parent / "csrc" / "sinkhorn.cpp",)
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp", "state_scan.cpp"))
 BUILD_TIMEOUT_S = 600
 """Upper bound of one build (it takes ~20 s of CPU, ~45 s wall on a loaded 2-core machine)."""
 
