@@ -79,3 +79,26 @@ def test_disabled_by_environment(monkeypatch):
     assert not cext.enabled()
     monkeypatch.setenv("GLM_LIGHTNING_EXT", "auto")
     assert cext.enabled()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_stream_ops_equal_the_eager_forms_and_gradcheck(n):
+    """csrc/streams.cpp: the read h = sum_i pre_i x_i and the write res x + post^T y against mhc.py's eager forms."""
+    from glm_lightning.model.mhc import StreamReadFused, StreamWrite, StreamWriteFused, read_streams
+
+    torch.manual_seed(n)
+    shapes = ((2, 5, n, n), (2, 5, n, 7), (2, 5, n), (2, 5, 7))
+    args = [torch.randn(s, requires_grad=True) for s in shapes]
+    post_view = torch.randn(2, 5, 2 * n)[..., n:].requires_grad_()  # a strided slice, as `gates.split` gives
+    for fused, eager, inputs in ((StreamWriteFused, StreamWrite, args),
+                                 (StreamWriteFused, StreamWrite, [args[0], args[1], post_view, args[3]]),
+                                 (StreamReadFused, None, [args[2], args[1]])):
+        out_f = fused.apply(*inputs)
+        out_e = eager.apply(*inputs) if eager else read_streams(*inputs)
+        torch.testing.assert_close(out_f, out_e, atol=1e-5, rtol=1e-5)
+        w = torch.randn_like(out_e)
+        for a, b in zip(torch.autograd.grad((out_f * w).sum(), inputs), torch.autograd.grad((out_e * w).sum(), inputs)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    dbl = [a.detach().double().requires_grad_() for a in args]
+    assert torch.autograd.gradcheck(StreamWriteFused.apply, dbl)
+    assert torch.autograd.gradcheck(StreamReadFused.apply, (dbl[2], dbl[1]))

@@ -119,6 +119,24 @@ def read_streams(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * x).sum(dim=-2)
 
 
+class StreamReadFused(torch.autograd.Function):
+    """`read_streams` as the C++ ops of csrc/streams.cpp (one op forward, one backward)."""
+
+    @staticmethod
+    def forward(ctx, pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(pre, x)
+        n, C = x.shape[-2:]
+        return torch.ops.glm_lightning.stream_read(pre.reshape(-1, n), x.reshape(-1, n, C)).view(x.shape[:-2] + (C,))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pre, x = ctx.saved_tensors
+        n, C = x.shape[-2:]
+        g_pre, g_x = torch.ops.glm_lightning.stream_read_backward(grad.reshape(-1, C), pre.reshape(-1, n),
+                                                                  x.reshape(-1, n, C))
+        return g_pre.view(pre.shape), g_x.view(x.shape)
+
+
 def _mix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-token a @ b for a [..., i, j] (tiny) and b [..., j, C] -> [..., i, C].
 
@@ -156,6 +174,30 @@ class StreamWrite(torch.autograd.Function):
         grad_post = torch.matmul(grad, y.unsqueeze(-1)).squeeze(-1)        # [n,C] @ [C,1]
         grad_y = read_streams(post, grad)                                   # [1,n] @ [n,C]
         return grad_res, grad_x, grad_post, grad_y
+
+
+class StreamWriteFused(torch.autograd.Function):
+    """`StreamWrite` as the C++ ops of csrc/streams.cpp: one op forward, one backward, no per-token tiny GEMMs."""
+
+    @staticmethod
+    def forward(ctx, res: torch.Tensor, x: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(res, x, post, y)
+        n, C = x.shape[-2:]
+        return torch.ops.glm_lightning.stream_write(res.reshape(-1, n, n), x.reshape(-1, n, C), post.reshape(-1, n),
+                                                    y.reshape(-1, C)).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        res, x, post, y = ctx.saved_tensors
+        n, C = x.shape[-2:]
+        g = torch.ops.glm_lightning.stream_write_backward(grad.reshape(-1, n, C), res.reshape(-1, n, n),
+                                                          x.reshape(-1, n, C), post.reshape(-1, n), y.reshape(-1, C))
+        return tuple(gi.view(t.shape) for gi, t in zip(g, (res, x, post, y)))
+
+
+def _use_cpp(x: torch.Tensor) -> bool:
+    """Whether the C++ stream ops run for x: built, on CPU, and fp32/fp64 (see glm_lightning/model/cext.py)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and cext.available()
 
 
 class HyperConnection(nn.Module):
@@ -205,7 +247,7 @@ class HyperConnection(nn.Module):
         if self.n == 1:
             return x[..., 0, :], None
         pre, post, res = (m if m.dtype == x.dtype else m.to(x.dtype) for m in self.mappings(x))
-        return read_streams(pre, x), (post, res)
+        return (StreamReadFused.apply(pre, x) if _use_cpp(x) else read_streams(pre, x)), (post, res)
 
     def write(self, x: torch.Tensor, maps: tuple[torch.Tensor, torch.Tensor] | None, y: torch.Tensor) -> torch.Tensor:
         """x_next = H_res x + H_post^T y, for the sub-layer output y [B,T,C] and `maps` from `read`."""
@@ -213,7 +255,7 @@ class HyperConnection(nn.Module):
         if maps is None:
             return x + y.unsqueeze(-2)
         post, res = maps
-        return StreamWrite.apply(res, x, post, y)
+        return (StreamWriteFused if _use_cpp(x) else StreamWrite).apply(res, x, post, y)
 
     def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """x_next for the sub-layer F = `sublayer` (read, F, write in one call)."""
