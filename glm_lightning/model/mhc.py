@@ -120,21 +120,16 @@ def read_streams(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class StreamReadFused(torch.autograd.Function):
-    """`read_streams` as the C++ ops of csrc/streams.cpp (one op forward, one backward)."""
+    """`read_streams` as the C++ ops of csrc/streams.cpp (one op forward, one backward, any leading dims)."""
 
     @staticmethod
     def forward(ctx, pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(pre, x)
-        n, C = x.shape[-2:]
-        return torch.ops.glm_lightning.stream_read(pre.reshape(-1, n), x.reshape(-1, n, C)).view(x.shape[:-2] + (C,))
+        return torch.ops.glm_lightning.stream_read(pre, x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pre, x = ctx.saved_tensors
-        n, C = x.shape[-2:]
-        g_pre, g_x = torch.ops.glm_lightning.stream_read_backward(grad.reshape(-1, C), pre.reshape(-1, n),
-                                                                  x.reshape(-1, n, C))
-        return g_pre.view(pre.shape), g_x.view(x.shape)
+        return torch.ops.glm_lightning.stream_read_backward(grad, *ctx.saved_tensors)
 
 
 def _mix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -182,17 +177,11 @@ class StreamWriteFused(torch.autograd.Function):
     @staticmethod
     def forward(ctx, res: torch.Tensor, x: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(res, x, post, y)
-        n, C = x.shape[-2:]
-        return torch.ops.glm_lightning.stream_write(res.reshape(-1, n, n), x.reshape(-1, n, C), post.reshape(-1, n),
-                                                    y.reshape(-1, C)).view(x.shape)
+        return torch.ops.glm_lightning.stream_write(res, x, post, y)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        res, x, post, y = ctx.saved_tensors
-        n, C = x.shape[-2:]
-        g = torch.ops.glm_lightning.stream_write_backward(grad.reshape(-1, n, C), res.reshape(-1, n, n),
-                                                          x.reshape(-1, n, C), post.reshape(-1, n), y.reshape(-1, C))
-        return tuple(gi.view(t.shape) for gi, t in zip(g, (res, x, post, y)))
+        return torch.ops.glm_lightning.stream_write_backward(grad, *ctx.saved_tensors)
 
 
 def _use_cpp(x: torch.Tensor) -> bool:
