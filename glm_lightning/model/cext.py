@@ -1,11 +1,12 @@
 """The optional C++ ops of the model (csrc/*.cpp), built with g++ into a cached shared library and loaded with
 `torch.ops.load_library`; every caller keeps its eager path as the fallback.
 
-Why: the study model is bound by dispatch overhead (~15 us per ATen op), and an mHC site's Sinkhorn issues ~270 ops
-for 20 iterations (as one C++ op forward and one backward: 2), and the KDA chunk hand-off ~10 per chunk (1). No ninja and no pybind: one g++ call on the
-sources with torch's headers, registering the ops through TORCH_LIBRARY (schema `glm_lightning::...`).
+Why: the study model is bound by dispatch overhead (~15 us per ATen op). As eager PyTorch an mHC site's Sinkhorn
+issues ~270 ops (20 iterations), its stream read/write ~70 and the KDA chunk hand-off ~10 per chunk; as C++ ops each
+is one op forward and one backward. No ninja and no pybind: one g++ call on one translation unit that includes every
+source, with torch's headers, registering the ops through TORCH_LIBRARY (schema `glm_lightning::...`).
 
-    GLM_LIGHTNING_EXT=auto (default)  build at first use (about 20 s of CPU, once per source/torch version) and use it
+    GLM_LIGHTNING_EXT=auto (default)  build at first use (~35 s of CPU, once per source/torch version) and use it
     GLM_LIGHTNING_EXT=0               never build or load it: the eager paths only
     make ext                          build now and print the library path and the build time
 
@@ -31,7 +32,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp", "state_scan.cpp", "streams.cpp"))
 BUILD_TIMEOUT_S = 600
-"""Upper bound of one build (it takes ~20 s of CPU, ~45 s wall on a loaded 2-core machine)."""
+"""Upper bound of one build (it takes ~35 s of CPU, 60-105 s wall on a loaded 2-core machine)."""
 
 
 def enabled() -> bool:

@@ -20,8 +20,9 @@ GLM-5.3 "safe gate" (``g = lb * sigmoid(...)``, ``lb = -5``, so every log decay 
 
   Everything except the state hand-off is computed for all chunks at once. The hand-off is rewritten as
   ``S' = P S + R`` with ``P = Diag(Gamma_C) - ((Gamma_C/Gamma) K)^T W`` and ``R = ((Gamma_C/Gamma) K)^T U``, so the
-  Python loop over chunks is one batched matmul-add per chunk (:class:`StateScan`, with a hand-written backward); the outputs are then ``Aqk U + (Gamma Q - Aqk W) S_c``
-  for all chunks at once (``S_c`` the state entering chunk c).
+  Python loop over chunks is one batched matmul-add per chunk (:class:`StateScan`, with a hand-written backward; one
+  C++ op per direction when glm_lightning/model/cext.py has built it); the outputs are then
+  ``Aqk U + (Gamma Q - Aqk W) S_c`` for all chunks at once (``S_c`` the state entering chunk c).
 * fp32 safety of the factorised ``exp(G_i - G_j) = exp(G_i - ref) exp(ref - G_j)``: the reference is taken per row
   block of at most 16 rows (fewer if the gate bound needs it), at the block's first row; for C = 32 that is the chunk
   start and the chunk midpoint, as fla's 16-token sub-chunks. Each factor is then at most ``exp(|lb| (s - 1))`` with
