@@ -6,7 +6,7 @@ issues ~270 ops (20 iterations), its stream read/write ~70 and the KDA chunk han
 is one op forward and one backward. No ninja and no pybind: one g++ call on one translation unit that includes every
 source, with torch's headers, registering the ops through TORCH_LIBRARY (schema `glm_lightning::...`).
 
-    GLM_LIGHTNING_EXT=auto (default)  build at first use (~35 s of CPU, once per source/torch version) and use it
+    GLM_LIGHTNING_EXT=auto (default)  build at first use (20-35 s of CPU, once per source/torch version) and use it
     GLM_LIGHTNING_EXT=0               never build or load it: the eager paths only
     make ext                          build now and print the library path and the build time
 
@@ -32,7 +32,7 @@ import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp", "state_scan.cpp", "streams.cpp"))
 BUILD_TIMEOUT_S = 600
-"""Upper bound of one build (it takes ~35 s of CPU, 60-105 s wall on a loaded 2-core machine)."""
+"""Upper bound of one build (it takes 20-35 s of CPU, 40-105 s wall on a loaded 2-core machine)."""
 
 
 def enabled() -> bool:
