@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo bench mnist clean
+.PHONY: venv ext test demo bench mnist clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Optional: the model's C++ ops (glm_lightning/model/cext.py; otherwise built at first use, GLM_LIGHTNING_EXT=0 skips).
+ext: $(STAMP)
+	$(PY) -c "import time; t = time.time(); from glm_lightning.model import cext; print(cext.build(), f'{time.time() - t:.0f} s')"
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (so peak RSS is per benchmark), one summary table,
 numbers saved to benchmarks/results/latest.json.
 
-    python -m benchmarks [--quick] [--threads auto|1|2] [--only ops,train,generation,study_vs_commit,verifier]
+    python -m benchmarks [--quick] [--threads auto|1|2] [--only ops,cext,train,generation,vs_commit,verifier]
 
 `--threads auto` (the default) uses glm_lightning.model.threads.choose_threads: one thread per core that other
 processes do not already keep busy (see that module for why).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from glm_lightning.model.threads import choose_threads
 
-BENCHES = ("ops", "train", "generation", "vs_commit", "verifier")
+BENCHES = ("ops", "cext", "train", "generation", "vs_commit", "verifier")
 
 CHILD = """
 import json, sys, importlib, resource, torch
@@ -39,6 +39,11 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
             if isinstance(r, dict):
                 rows.append((f"ops {name}", f"{r['total']:,} ATen ops/step (fwd {r['forward']:,}, bwd {r['backward']:,}, "
                                             f"AdamW {r['optimizer']:,})", f"<= {r['target']:,}"))
+    if results.get("cext", {}).get("available"):
+        c = results["cext"]
+        rows.append(("C++ ops", f"study step {c['seconds_per_step_off']:.3f} -> {c['seconds_per_step_on']:.3f} s "
+                                f"({c['speedup']:.2f}x), {c['ops_off']:,} -> {c['ops_on']:,} ops, "
+                                f"RSS {c['peak_rss_mb']:.0f} MB", "on >= off"))
     if "train" in results:
         t = results["train"]
         for name in ("hybrid flash-25m", "dense baseline"):

@@ -6,10 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.kda import KDACache, KDAttention, kda_chunked, kda_recurrent
 
 LB = -5.0
+# the chunk hand-off: eager loop (False), the C++ op (True; skipped when GLM_LIGHTNING_EXT=0 or it cannot be built)
+HANDOFF = pytest.mark.parametrize("fused", [
+    False, pytest.param(True, marks=pytest.mark.skipif(not cext.available(), reason="C++ ops not available"))],
+    ids=["eager", "cpp"])
 
 
 def _inputs(B, T, H, K, V, dtype=torch.float32, seed=0, lb=LB):
@@ -51,12 +56,14 @@ def _layer(seed=0, **kw):
 # ------------------------------------------------------------------------------------------------------------------
 # pure functions
 # ------------------------------------------------------------------------------------------------------------------
+@HANDOFF
 @pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("T", [1, 5, 31, 33, 70])
-def test_chunked_matches_recurrent_fp32(chunk, T):
+def test_chunked_matches_recurrent_fp32(chunk, T, fused):
     inputs = _inputs(2, T, 2, 8, 6, seed=T)
     o_r, s_r, g_r = _run_with_grads(lambda q, k, v, g, b, s0: kda_recurrent(q, k, v, g, b, s0), inputs)
-    o_c, s_c, g_c = _run_with_grads(lambda q, k, v, g, b, s0: kda_chunked(q, k, v, g, b, chunk, s0), inputs)
+    o_c, s_c, g_c = _run_with_grads(lambda q, k, v, g, b, s0: kda_chunked(q, k, v, g, b, chunk, s0, fused=fused),
+                                    inputs)
     assert o_c.dtype == s_c.dtype == torch.float32
     assert o_c.shape == o_r.shape == (2, T, 2, 6) and s_c.shape == (2, 2, 8, 6)
     torch.testing.assert_close(o_c, o_r, rtol=0, atol=2e-6)
@@ -65,17 +72,18 @@ def test_chunked_matches_recurrent_fp32(chunk, T):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=3e-5, msg=lambda m, name=name: f"grad {name}: {m}")
 
 
-def test_chunked_matches_recurrent_fp64_and_gradcheck():
+@HANDOFF
+def test_chunked_matches_recurrent_fp64_and_gradcheck(fused):
     inputs = _inputs(2, 37, 3, 8, 5, dtype=torch.float64, seed=3)
     o_r, s_r, g_r = _run_with_grads(lambda q, k, v, g, b, s0: kda_recurrent(q, k, v, g, b, s0), inputs)
-    o_c, s_c, g_c = _run_with_grads(lambda q, k, v, g, b, s0: kda_chunked(q, k, v, g, b, 16, s0), inputs)
+    o_c, s_c, g_c = _run_with_grads(lambda q, k, v, g, b, s0: kda_chunked(q, k, v, g, b, 16, s0, fused=fused), inputs)
     assert o_c.dtype == torch.float64
     torch.testing.assert_close(o_c, o_r, rtol=0, atol=1e-12)
     torch.testing.assert_close(s_c, s_r, rtol=0, atol=1e-12)
     for a, b in zip(g_c, g_r):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
     small = [x.clone().requires_grad_() for x in _inputs(1, 6, 1, 3, 2, dtype=torch.float64, seed=4)]
-    assert torch.autograd.gradcheck(lambda *xs: kda_chunked(*xs[:5], 4, xs[5]), small, fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *xs: kda_chunked(*xs[:5], 4, xs[5], fused=fused), small, fast_mode=True)
 
 
 @pytest.mark.parametrize("lb,chunk", [(-5.0, 32), (-10.0, 16)])
@@ -327,17 +335,18 @@ def test_inference_weight_cache_follows_parameter_updates():
         torch.testing.assert_close(layer(x)[0], other(x)[0], rtol=0, atol=1e-6)
 
 
-def test_state_scan_backward_gradcheck_and_equals_the_loop():
+@HANDOFF
+def test_state_scan_backward_gradcheck_and_equals_the_loop(fused):
     """The hand-written hand-off S_{n+1} = P_n S_n + R_n: gradcheck (float64) and forward/grads of the plain loop."""
     from glm_lightning.model.kda import StateScan
 
     torch.manual_seed(0)
     P, R, S0 = torch.randn(3, 2, 4, 4) * 0.5, torch.randn(3, 2, 4, 5), torch.randn(2, 4, 5)
     args = tuple(t.double().requires_grad_() for t in (P, R, S0))
-    assert torch.autograd.gradcheck(StateScan.apply, args)
+    assert torch.autograd.gradcheck(lambda *xs: StateScan.apply(*xs, fused), args)
     a = tuple(t.clone().requires_grad_() for t in (P, R, S0))
     b = tuple(t.clone().requires_grad_() for t in (P, R, S0))
-    out = StateScan.apply(*a)
+    out = StateScan.apply(*a, fused)
     states = [b[2]]
     for n in range(3):
         states.append(torch.baddbmm(b[1][n], b[0][n], states[-1]))

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch import nn
 
@@ -93,10 +94,15 @@ def _sinkhorn_reference(logits, iters=20, eps=1e-6):
     return m
 
 
-def test_sinkhorn_entries_major_layout_equals_reference():
+# fused=False: the eager autograd Function; None: the default path (the C++ op when it is built, see cext.py)
+BOTH_PATHS = pytest.mark.parametrize("fused", [False, None], ids=["eager", "default"])
+
+
+@BOTH_PATHS
+def test_sinkhorn_entries_major_layout_equals_reference(fused):
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 4, 4) * 3
-    out = sinkhorn_knopp(logits)
+    out = sinkhorn_knopp(logits, fused=fused)
     assert out.is_contiguous() and out.shape == logits.shape
     torch.testing.assert_close(out.double(), _sinkhorn_reference(logits), atol=1e-6, rtol=1e-5)
 
@@ -124,19 +130,21 @@ def _sinkhorn_autograd(logits, iters=20, eps=1e-6):
     return m
 
 
-def test_sinkhorn_hand_written_backward_gradcheck():
+@BOTH_PATHS
+def test_sinkhorn_hand_written_backward_gradcheck(fused):
     torch.manual_seed(0)
     logits = (torch.randn(2, 3, 4, 4, dtype=torch.float64) * 2).requires_grad_()
-    assert torch.autograd.gradcheck(lambda x: sinkhorn_knopp(x, iters=5), (logits,))
+    assert torch.autograd.gradcheck(lambda x: sinkhorn_knopp(x, iters=5, fused=fused), (logits,))
 
 
-def test_sinkhorn_backward_equals_autograd_of_the_iterations_fp32():
+@BOTH_PATHS
+def test_sinkhorn_backward_equals_autograd_of_the_iterations_fp32(fused):
     torch.manual_seed(0)
     logits = torch.randn(6, 7, 4, 4) * 2 + 4 * torch.eye(4)
     weight = torch.randn(6, 7, 4, 4)
     a = logits.clone().requires_grad_()
     b = logits.clone().requires_grad_()
-    out_a, out_b = sinkhorn_knopp(a), _sinkhorn_autograd(b)
+    out_a, out_b = sinkhorn_knopp(a, fused=fused), _sinkhorn_autograd(b)
     torch.testing.assert_close(out_a, out_b, atol=1e-6, rtol=1e-5)
     (out_a * weight).sum().backward()
     (out_b * weight).sum().backward()

@@ -20,8 +20,9 @@ GLM-5.3 "safe gate" (``g = lb * sigmoid(...)``, ``lb = -5``, so every log decay 
 
   Everything except the state hand-off is computed for all chunks at once. The hand-off is rewritten as
   ``S' = P S + R`` with ``P = Diag(Gamma_C) - ((Gamma_C/Gamma) K)^T W`` and ``R = ((Gamma_C/Gamma) K)^T U``, so the
-  Python loop over chunks is one batched matmul-add per chunk (:class:`StateScan`, with a hand-written backward); the outputs are then ``Aqk U + (Gamma Q - Aqk W) S_c``
-  for all chunks at once (``S_c`` the state entering chunk c).
+  Python loop over chunks is one batched matmul-add per chunk (:class:`StateScan`, with a hand-written backward; one
+  C++ op per direction when glm_lightning/model/cext.py has built it); the outputs are then
+  ``Aqk U + (Gamma Q - Aqk W) S_c`` for all chunks at once (``S_c`` the state entering chunk c).
 * fp32 safety of the factorised ``exp(G_i - G_j) = exp(G_i - ref) exp(ref - G_j)``: the reference is taken per row
   block of at most 16 rows (fewer if the gate bound needs it), at the block's first row; for C = 32 that is the chunk
   start and the chunk midpoint, as fla's 16-token sub-chunks. Each factor is then at most ``exp(|lb| (s - 1))`` with
@@ -63,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.norm import RMSNorm
 
@@ -141,26 +143,36 @@ class StateScan(torch.autograd.Function):
     The one sequential part of the chunked form, written with its backward so that autograd does not record (and
     replay) N baddbmm / unbind / stack nodes:  dS_n = dS_n(direct) + P_n^T dS_{n+1},  dR_n = dS_{n+1},
     dP_n = dS_{n+1} S_n^T (the last two for all n at once).
+
+    With the C++ ops (glm_lightning/model/cext.py, csrc/state_scan.cpp) each loop is one op; ``fused`` (the last
+    argument) picks them.
     """
 
     @staticmethod
-    def forward(ctx, P: Tensor, R: Tensor, S0: Tensor) -> Tensor:
-        N = P.shape[0]
-        S_all = R.new_empty(N + 1, *S0.shape)
-        S_all[0] = S0
-        for n in range(N):
-            torch.baddbmm(R[n], P[n], S_all[n], out=S_all[n + 1])
+    def forward(ctx, P: Tensor, R: Tensor, S0: Tensor, fused: bool = False) -> Tensor:
+        ctx.fused = fused
+        if fused:
+            S_all = torch.ops.glm_lightning.state_scan(P, R, S0)
+        else:
+            N = P.shape[0]
+            S_all = R.new_empty(N + 1, *S0.shape)
+            S_all[0] = S0
+            for n in range(N):
+                torch.baddbmm(R[n], P[n], S_all[n], out=S_all[n + 1])
         ctx.save_for_backward(P, S_all)
         return S_all
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         P, S_all = ctx.saved_tensors
-        g = grad.clone()
-        for n in reversed(range(P.shape[0])):
-            g[n].baddbmm_(P[n].transpose(1, 2), g[n + 1])
+        if ctx.fused:
+            g = torch.ops.glm_lightning.state_scan_backward(grad, P)
+        else:
+            g = grad.clone()
+            for n in reversed(range(P.shape[0])):
+                g[n].baddbmm_(P[n].transpose(1, 2), g[n + 1])
         g_next = g[1:]
-        return torch.matmul(g_next, S_all[:-1].transpose(-1, -2)), g_next, g[0]
+        return torch.matmul(g_next, S_all[:-1].transpose(-1, -2)), g_next, g[0], None
 
 
 def kda_chunked(
@@ -173,12 +185,14 @@ def kda_chunked(
     initial_state: Tensor | None = None,
     *,
     gate_bound: float | None = None,
+    fused: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Chunkwise-parallel (WY / UT) KDA, numerically equal to :func:`kda_recurrent`.
 
     Same shapes and return values as :func:`kda_recurrent`. T is padded to a multiple of ``chunk_size`` with identity
     steps. ``gate_bound`` is an upper bound of ``|g|`` (the safe gate's ``|lb|``); it sets the row blocks of the
-    factorised exp so that fp32 cannot overflow. If None it is read from the data (``max(-g)``).
+    factorised exp so that fp32 cannot overflow. If None it is read from the data (``max(-g)``). ``fused`` picks the
+    C++ chunk hand-off (True), the eager one (False), or the C++ one when it is built (None).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -233,7 +247,8 @@ def kda_chunked(
     O_intra = OQ[..., :V]
     Q_eff = Gam * q - OQ[..., V:]                                       # [N, B, H, C, K]
 
-    S_all = StateScan.apply(P.reshape(N, B * H, K, K), R.reshape(N, B * H, K, V), S.reshape(B * H, K, V))
+    fused = cext.available() and q.device.type == "cpu" if fused is None else fused
+    S_all = StateScan.apply(P.reshape(N, B * H, K, K), R.reshape(N, B * H, K, V), S.reshape(B * H, K, V), fused)
     S_in = S_all[:N]                                                    # [N, B*H, K, V] chunk-start states
     o = torch.baddbmm(O_intra.reshape(-1, C, V), Q_eff.reshape(-1, C, K), S_in.reshape(-1, K, V))
     o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]

@@ -1,0 +1,118 @@
+"""The optional C++ ops of the model (csrc/*.cpp), built with g++ into a cached shared library and loaded with
+`torch.ops.load_library`; every caller keeps its eager path as the fallback.
+
+Why: the study model is bound by dispatch overhead (~15 us per ATen op). As eager PyTorch an mHC site's Sinkhorn
+issues ~270 ops (20 iterations), its stream read/write ~70 and the KDA chunk hand-off ~10 per chunk; as C++ ops each
+is one op forward and one backward. No ninja and no pybind: one g++ call on one translation unit that includes every
+source, with torch's headers, registering the ops through TORCH_LIBRARY (schema `glm_lightning::...`).
+
+    GLM_LIGHTNING_EXT=auto (default)  build at first use (20-35 s of CPU, once per source/torch version) and use it
+    GLM_LIGHTNING_EXT=0               never build or load it: the eager paths only
+    make ext                          build now and print the library path and the build time
+
+The library is cached under $GLM_LIGHTNING_CACHE (default ~/.cache/glm_lightning)/ext, keyed by a hash of the sources,
+the torch version, the compiler flags and the CPU model (it is built with -march=native). If g++ is missing or the
+build fails, a warning is printed once and the eager paths run.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp", "state_scan.cpp", "streams.cpp"))
+BUILD_TIMEOUT_S = 600
+"""Upper bound of one build (it takes 20-35 s of CPU, 40-105 s wall on a loaded 2-core machine)."""
+
+
+def enabled() -> bool:
+    """Whether the C++ ops may be used (GLM_LIGHTNING_EXT is not '0')."""
+    return os.environ.get("GLM_LIGHTNING_EXT", "auto").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _flags() -> list[str]:
+    """g++ flags: torch's headers and libraries (what torch.utils.cpp_extension would pass, without importing it: its
+    import probes for CUDA and warns), OpenMP for at::parallel_for (torch's bundled libgomp is the one loaded)."""
+    torch_dir = Path(torch.__file__).parent
+    return ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{torch_dir / 'include'}",
+            f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path() -> Path:
+    """Where the library for the current sources, torch and CPU lives (built or not)."""
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join([torch.__version__, sys.version, platform.machine(), _cpu_model(), *_flags()]).encode())
+    root = Path(os.environ.get("GLM_LIGHTNING_CACHE", Path.home() / ".cache" / "glm_lightning"))
+    return root / "ext" / f"glm_lightning_ops_{h.hexdigest()[:16]}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the sources (if not cached) and return the library path. Raises on failure. Concurrent builds are
+    safe: each writes a temporary file and renames it into place (atomic)."""
+    out = library_path()
+    if out.exists():
+        return out
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    # one translation unit including every source: torch's headers (most of the build time) are parsed once
+    unity = Path(tmp).with_suffix(".cpp")
+    unity.write_text("".join(f'#include "{src}"\n' for src in SOURCES))
+    cmd = [cxx, str(unity), *_flags(), "-o", tmp]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if res.returncode != 0:
+            raise RuntimeError(f"building {out.name} failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
+        if verbose:
+            print(res.stderr[-2000:], file=sys.stderr)
+        os.replace(tmp, out)
+    finally:
+        for leftover in (tmp, unity):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> bool:
+    """Build (if needed) and load the ops once per process; True if `torch.ops.glm_lightning` is usable."""
+    if not enabled():
+        return False
+    try:
+        torch.ops.load_library(str(build()))
+    except Exception as e:  # a missing compiler or a failed build: the eager paths still work
+        warnings.warn(f"glm_lightning C++ ops unavailable, using the eager paths ({e})", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether the C++ ops are loaded (building them on the first call, unless disabled)."""
+    return load()
+

@@ -1,0 +1,203 @@
+// The per-token stream algebra of an mHC site (glm_lightning/model/mhc.py) as CPU ops, forward and backward:
+//
+//   read:   h[t, c]      = sum_i pre[t, i] x[t, i, c]                                  [T, n] x [T, n, C] -> [T, C]
+//   write:  out[t, i, c] = sum_j res[t, i, j] x[t, j, c] + post[t, i] y[t, c]          -> [T, n, C]
+//
+// n (2 or 4 streams) is tiny, so ATen runs these either as one tiny GEMM per token or as a chain of broadcast
+// multiply-adds (~15 ops forward, ~55 backward per site). Here every token is a few loops over the C channels
+// (contiguous, vectorised), all tokens in parallel.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// A [..., k] operand as (pointer offset per token): row-major with a uniform token stride (e.g. H_post, a slice of
+// the fused gates), so that no copy is needed; anything else is made contiguous (one copy).
+struct Tokens {
+  at::Tensor t;
+  int64_t stride;
+};
+
+Tokens tokens(const at::Tensor& t, int64_t k) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, "fp32 or fp64 only");
+  TORCH_CHECK(t.device().is_cpu(), "CPU only");
+  TORCH_CHECK(t.dim() >= 1 && t.size(-1) == k, "expected a last dimension of ", k, ", got ", t.sizes());
+  bool uniform = t.stride(-1) == 1;
+  const int64_t d = t.dim();
+  const int64_t ts = d >= 2 ? t.stride(d - 2) : k;
+  for (int64_t i = d - 3; i >= 0 && uniform; --i)
+    uniform = t.size(i) == 1 || t.stride(i) == t.stride(i + 1) * t.size(i + 1);
+  if (uniform && (d < 2 || t.size(d - 2) == 1 || ts >= k)) return {t, d >= 2 ? ts : k};
+  return {t.contiguous(), k};
+}
+
+// A [..., n, C] (or [..., C]) operand that must be contiguous.
+at::Tensor dense(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, "fp32 or fp64 only");
+  TORCH_CHECK(t.device().is_cpu(), "CPU only");
+  return t.contiguous();
+}
+
+std::vector<int64_t> without_stream_dim(const at::Tensor& x) {  // [..., n, C] -> [..., C]
+  std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
+  s.erase(s.end() - 2);
+  return s;
+}
+
+// h[t, c] = sum_i w[t, i] x[t, i, c]:  w [..., n], x [..., n, C] -> [..., C]
+at::Tensor stream_read(const at::Tensor& w_in, const at::Tensor& x_in) {
+  const at::Tensor x = dense(x_in);
+  const int64_t n = x.size(-2), C = x.size(-1), T = x.numel() / (n * C);
+  const Tokens w = tokens(w_in, n);
+  TORCH_CHECK(w.t.numel() == T * n && w.t.scalar_type() == x.scalar_type(), "w must be [..., n] like x");
+  at::Tensor h = at::empty(without_stream_dim(x), x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "stream_read", [&] {
+    const scalar_t *wp = w.t.data_ptr<scalar_t>(), *xp = x.data_ptr<scalar_t>();
+    scalar_t* hp = h.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        scalar_t* ht = hp + t * C;
+        for (int64_t i = 0; i < n; ++i) {
+          const scalar_t wi = wp[t * w.stride + i];
+          const scalar_t* xi = xp + (t * n + i) * C;
+          if (i == 0)
+            for (int64_t c = 0; c < C; ++c) ht[c] = wi * xi[c];
+          else
+            for (int64_t c = 0; c < C; ++c) ht[c] += wi * xi[c];
+        }
+      }
+    });
+  });
+  return h;
+}
+
+// grad [..., C] -> (dL/dw [..., n] = <grad, x_i>, dL/dx [..., n, C] = w_i grad)
+std::tuple<at::Tensor, at::Tensor> stream_read_backward(const at::Tensor& g_in, const at::Tensor& w_in,
+                                                        const at::Tensor& x_in) {
+  const at::Tensor g = dense(g_in), x = dense(x_in);
+  const int64_t n = x.size(-2), C = x.size(-1), T = x.numel() / (n * C);
+  const Tokens w = tokens(w_in, n);
+  TORCH_CHECK(g.numel() == T * C && g.scalar_type() == x.scalar_type(), "grad must be [..., C] like x");
+  at::Tensor gw = at::empty(w_in.sizes(), x.options()), gx = at::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "stream_read_backward", [&] {
+    const scalar_t *gp = g.data_ptr<scalar_t>(), *wp = w.t.data_ptr<scalar_t>(), *xp = x.data_ptr<scalar_t>();
+    scalar_t *gwp = gw.data_ptr<scalar_t>(), *gxp = gx.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* gt = gp + t * C;
+        for (int64_t i = 0; i < n; ++i) {
+          const scalar_t* xi = xp + (t * n + i) * C;
+          scalar_t* gxi = gxp + (t * n + i) * C;
+          const scalar_t wi = wp[t * w.stride + i];
+          scalar_t dot = 0;
+          for (int64_t c = 0; c < C; ++c) {
+            dot += gt[c] * xi[c];
+            gxi[c] = wi * gt[c];
+          }
+          gwp[t * n + i] = dot;
+        }
+      }
+    });
+  });
+  return {gw, gx};
+}
+
+// res [..., n, n], x [..., n, C], post [..., n], y [..., C] -> res x + post^T y  [..., n, C]
+at::Tensor stream_write(const at::Tensor& res_in, const at::Tensor& x_in, const at::Tensor& post_in,
+                        const at::Tensor& y_in) {
+  const at::Tensor x = dense(x_in), y = dense(y_in);
+  const int64_t n = x.size(-2), C = x.size(-1), T = x.numel() / (n * C);
+  const Tokens res = tokens(res_in.reshape({-1, n * n}), n * n), post = tokens(post_in, n);
+  TORCH_CHECK(res.t.numel() == T * n * n && post.t.numel() == T * n && y.numel() == T * C, "operand shapes");
+  TORCH_CHECK(res.t.scalar_type() == x.scalar_type() && post.t.scalar_type() == x.scalar_type() &&
+              y.scalar_type() == x.scalar_type(), "dtype mismatch");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "stream_write", [&] {
+    const scalar_t *rp = res.t.data_ptr<scalar_t>(), *xp = x.data_ptr<scalar_t>(),
+                   *pp = post.t.data_ptr<scalar_t>(), *yp = y.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* yt = yp + t * C;
+        for (int64_t i = 0; i < n; ++i) {
+          scalar_t* oi = op + (t * n + i) * C;
+          const scalar_t pi = pp[t * post.stride + i];
+          for (int64_t c = 0; c < C; ++c) oi[c] = pi * yt[c];
+          for (int64_t j = 0; j < n; ++j) {
+            const scalar_t rij = rp[t * res.stride + i * n + j];
+            const scalar_t* xj = xp + (t * n + j) * C;
+            for (int64_t c = 0; c < C; ++c) oi[c] += rij * xj[c];
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// grad [..., n, C] -> (d res = grad x^T, d x = res^T grad, d post = grad y, d y = post grad), shaped as the inputs
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stream_write_backward(
+    const at::Tensor& g_in, const at::Tensor& res_in, const at::Tensor& x_in, const at::Tensor& post_in,
+    const at::Tensor& y_in) {
+  const at::Tensor g = dense(g_in), x = dense(x_in), y = dense(y_in);
+  const int64_t n = x.size(-2), C = x.size(-1), T = x.numel() / (n * C);
+  const Tokens res = tokens(res_in.reshape({-1, n * n}), n * n), post = tokens(post_in, n);
+  TORCH_CHECK(g.numel() == T * n * C && g.scalar_type() == x.scalar_type(), "grad must be shaped as x");
+  at::Tensor gres = at::empty(res_in.sizes(), x.options()), gx = at::empty(x.sizes(), x.options()),
+             gpost = at::empty(post_in.sizes(), x.options()), gy = at::empty(y_in.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "stream_write_backward", [&] {
+    const scalar_t *gp = g.data_ptr<scalar_t>(), *rp = res.t.data_ptr<scalar_t>(), *xp = x.data_ptr<scalar_t>(),
+                   *pp = post.t.data_ptr<scalar_t>(), *yp = y.data_ptr<scalar_t>();
+    scalar_t *grp = gres.data_ptr<scalar_t>(), *gxp = gx.data_ptr<scalar_t>(), *gpp = gpost.data_ptr<scalar_t>(),
+             *gyp = gy.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const scalar_t* yt = yp + t * C;
+        scalar_t* gyt = gyp + t * C;
+        for (int64_t i = 0; i < n; ++i) {
+          const scalar_t* gi = gp + (t * n + i) * C;
+          const scalar_t pi = pp[t * post.stride + i];
+          scalar_t dot = 0;
+          for (int64_t c = 0; c < C; ++c) {
+            dot += gi[c] * yt[c];
+            gyt[c] = (i == 0 ? scalar_t(0) : gyt[c]) + pi * gi[c];
+          }
+          gpp[t * n + i] = dot;
+          for (int64_t j = 0; j < n; ++j) {
+            const scalar_t* xj = xp + (t * n + j) * C;
+            scalar_t* gxj = gxp + (t * n + j) * C;
+            const scalar_t rij = rp[t * res.stride + i * n + j];
+            scalar_t s = 0;
+            for (int64_t c = 0; c < C; ++c) {
+              s += gi[c] * xj[c];
+              gxj[c] = (i == 0 ? scalar_t(0) : gxj[c]) + rij * gi[c];
+            }
+            grp[(t * n + i) * n + j] = s;
+          }
+        }
+      }
+    });
+  });
+  return {gres, gx, gpost, gy};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
+  m.def("stream_read(Tensor w, Tensor x) -> Tensor");
+  m.def("stream_read_backward(Tensor grad, Tensor w, Tensor x) -> (Tensor, Tensor)");
+  m.def("stream_write(Tensor res, Tensor x, Tensor post, Tensor y) -> Tensor");
+  m.def("stream_write_backward(Tensor grad, Tensor res, Tensor x, Tensor post, Tensor y) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
+  m.impl("stream_read", &stream_read);
+  m.impl("stream_read_backward", &stream_read_backward);
+  m.impl("stream_write", &stream_write);
+  m.impl("stream_write_backward", &stream_write_backward);
+}

@@ -1,0 +1,104 @@
+"""The C++ Sinkhorn ops (glm_lightning/model/csrc/sinkhorn.cpp) against the eager autograd Function: forward and
+gradients within 1e-5 in fp32, gradcheck in fp64, and a whole training step of the model with and without them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from glm_lightning.model import GLMConfig, GLMModel, cext
+from glm_lightning.model.mhc import sinkhorn_knopp
+
+pytestmark = pytest.mark.skipif(not cext.available(), reason="C++ ops disabled (GLM_LIGHTNING_EXT=0) or not buildable")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("iters", [1, 5, 20])
+def test_fused_equals_eager_forward_and_backward_fp32(n, iters):
+    torch.manual_seed(n * 100 + iters)
+    # 37 tokens: two full blocks of 16 and a partial one; std 2 gives peaked, slowly converging matrices
+    logits = (torch.randn(37, n, n) * 2.0).requires_grad_()
+    grad = torch.randn(37, n, n)
+    eager = sinkhorn_knopp(logits, iters=iters, fused=False)
+    fused = sinkhorn_knopp(logits, iters=iters, fused=True)
+    torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
+    (g_eager,) = torch.autograd.grad(eager, logits, grad)
+    (g_fused,) = torch.autograd.grad(fused, logits, grad)
+    torch.testing.assert_close(g_fused, g_eager, atol=1e-5, rtol=1e-5)
+    assert g_fused.abs().max() > 1e-3  # a real gradient, not two zeros
+
+
+def test_fused_reads_strided_tokens_and_leading_dims():
+    """The mHC site passes a slice of its fused logits [B, T, (2+n)n]: token stride != n*n."""
+    torch.manual_seed(1)
+    n = 4
+    big = torch.randn(2, 9, (2 + n) * n, requires_grad=True)
+    res_logits = big[..., 2 * n:].unflatten(-1, (n, n))
+    assert not res_logits.is_contiguous()
+    eager = sinkhorn_knopp(res_logits, fused=False)
+    fused = sinkhorn_knopp(res_logits, fused=True)
+    assert fused.shape == (2, 9, n, n)
+    torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
+    grad = torch.randn_like(eager)
+    (g_eager,) = torch.autograd.grad(eager, big, grad)
+    (g_fused,) = torch.autograd.grad(fused, big, grad)
+    torch.testing.assert_close(g_fused, g_eager, atol=1e-5, rtol=1e-5)
+    assert (g_fused[..., :2 * n] == 0).all()  # the gate logits get nothing from Sinkhorn
+
+
+def test_fused_gradcheck_fp64():
+    torch.manual_seed(2)
+    logits = torch.randn(19, 3, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: sinkhorn_knopp(x, iters=5, fused=True), (logits,))
+
+
+def test_model_training_step_with_and_without_the_cpp_ops(monkeypatch):
+    """Loss and every parameter gradient of a tiny model agree whether the mHC sites use the C++ ops or not."""
+    cfg = GLMConfig.preset("tiny", hc_streams=4, n_layers=2)
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+
+    def step(use_cpp: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        monkeypatch.setattr(cext, "available", lambda: use_cpp)
+        torch.manual_seed(0)
+        model = GLMModel(cfg)
+        out = model(ids[:, :-1])
+        loss = F.cross_entropy(out.logits.flatten(0, 1), ids[:, 1:].flatten()) + out.aux_loss
+        loss.backward()
+        return loss.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+    loss_cpp, grads_cpp = step(True)
+    loss_eager, grads_eager = step(False)
+    torch.testing.assert_close(loss_cpp, loss_eager, atol=1e-5, rtol=1e-5)
+    assert grads_cpp.keys() == grads_eager.keys()
+    assert any(k.endswith("hc_mixer.phi") for k in grads_cpp)
+    for k in grads_cpp:
+        torch.testing.assert_close(grads_cpp[k], grads_eager[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("GLM_LIGHTNING_EXT", "0")
+    assert not cext.enabled()
+    monkeypatch.setenv("GLM_LIGHTNING_EXT", "auto")
+    assert cext.enabled()
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_stream_ops_equal_the_eager_forms_and_gradcheck(n):
+    """csrc/streams.cpp: the read h = sum_i pre_i x_i and the write res x + post^T y against mhc.py's eager forms."""
+    from glm_lightning.model.mhc import StreamReadFused, StreamWrite, StreamWriteFused, read_streams
+
+    torch.manual_seed(n)
+    shapes = ((2, 5, n, n), (2, 5, n, 7), (2, 5, n), (2, 5, 7))
+    args = [torch.randn(s, requires_grad=True) for s in shapes]
+    post_view = torch.randn(2, 5, 2 * n)[..., n:].requires_grad_()  # a strided slice, as `gates.split` gives
+    for fused, eager, inputs in ((StreamWriteFused, StreamWrite, args),
+                                 (StreamWriteFused, StreamWrite, [args[0], args[1], post_view, args[3]]),
+                                 (StreamReadFused, None, [args[2], args[1]])):
+        out_f = fused.apply(*inputs)
+        out_e = eager.apply(*inputs) if eager else read_streams(*inputs)
+        torch.testing.assert_close(out_f, out_e, atol=1e-5, rtol=1e-5)
+        w = torch.randn_like(out_e)
+        for a, b in zip(torch.autograd.grad((out_f * w).sum(), inputs), torch.autograd.grad((out_e * w).sum(), inputs)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    dbl = [a.detach().double().requires_grad_() for a in args]
+    assert torch.autograd.gradcheck(StreamWriteFused.apply, dbl)
+    assert torch.autograd.gradcheck(StreamReadFused.apply, (dbl[2], dbl[1]))
