@@ -268,7 +268,8 @@ def test_short_run_freezing_logs_and_rollouts(tmp_path, monkeypatch):
     tags = set(acc.Tags()["scalars"])
     for tag in ("train/reward_mean", "train/reward_std", "train/pass_rate", "train/frac_reward_zero_std",
                 "train/kl", "train/entropy", "train/completion_len", "train/clip_frac", "train/truncated_frac",
-                "time/generate_s", "time/verify_s", "time/update_s", "train/pass_rate/increment", "val/ref_nll",
+                "time/generate_s", "time/verify_s", "time/update_s", "time/ref_logprobs_s", "time/policy_s",
+                "train/pass_rate/increment", "val/ref_nll",
                 "val/pass@1", "val/pass@2", "val/greedy_pass", "val/pass@2/square", "val/greedy_pass/monitor",
                 "regression/square/delta", "regression/flagged"):
         assert tag in tags, (tag, sorted(tags))

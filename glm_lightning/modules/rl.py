@@ -232,7 +232,9 @@ class RLModule(StageModule):
         batch = self.update_batch(rollouts, advantages, keep)
         if batch is None:
             return {}
+        t0 = time.perf_counter()
         ref_lp = self.reference_logprobs(batch)
+        t1 = time.perf_counter()
         old_lp: list[torch.Tensor] = []
         sums: dict[str, float] = defaultdict(float)
         epochs = self.loss.ppo_epochs
@@ -243,7 +245,8 @@ class RLModule(StageModule):
         n_seq = int((batch.mask.sum(1) > 0).sum())
         return {"loss": sums["loss"] / epochs, "aux_loss": sums["aux_loss"] / epochs, "kl": sums["kl"] / denom,
                 "entropy": sums["entropy"] / denom, "logprob_gap": sums["logprob_gap"] / max(1, n_seq),
-                "clip_frac": sums["clipped"] / (denom * epochs), "grad_norm": grad_norm}
+                "clip_frac": sums["clipped"] / (denom * epochs), "grad_norm": grad_norm,
+                "time/ref_logprobs_s": t1 - t0, "time/policy_s": time.perf_counter() - t1}
 
     # --- the Lightning step ----------------------------------------------------------------------------------------
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
@@ -268,7 +271,7 @@ class RLModule(StageModule):
     def _log_step(self, rollouts: Rollouts, verdicts: Sequence[Any], rewards: torch.Tensor, advantages: torch.Tensor,
                   keep: torch.Tensor, stats: dict[str, float], times: tuple[float, float, float]) -> None:
         logs = step_metrics(rollouts, verdicts, rewards, keep)
-        logs.update({f"train/{k}": v for k, v in stats.items()})
+        logs.update({k if k.startswith("time/") else f"train/{k}": v for k, v in stats.items()})
         logs.update({"train/groups_skipped": float(self._groups_skipped),
                      "train/groups_updated": float(self._groups_seen - self._groups_skipped),
                      "train/verifier_failures": float(self._verifier_failures),
