@@ -67,6 +67,9 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
         rows.append(("RL generation", f"{g['prompts']}x{g['samples']} rows x {g['new_tokens']} tok: "
                                       f"{g['tokens_per_s']:.0f} generated tok/s, RSS {g['peak_rss_mb']:.0f} MB; "
                                       f"dropping finished rows {a['speedup']:.2f}x", ">= 1,500 tok/s"))
+        if "update" in results["rl"]:
+            u = results["rl"]["update"]
+            rows.append(("RL update", f"policy fwd+bwd, each prompt once vs full rows: {u['speedup']:.2f}x", ""))
         rows.append(("RL epoch", f"{e['wall_s']:.0f} s: gen {e['generation_s']:.0f} + verifier {e['verifier_s']:.0f} "
                                  f"+ ref {e['ref_logprobs_s']:.0f} + update {e['policy_update_s']:.0f} s, "
                                  f"RSS {e['peak_rss_mb']:.0f} MB", "<= 600 s"))

@@ -4,6 +4,8 @@
    tokens at T = 0.35, every row in one prefill and one decode loop; generated tokens/s and peak RSS.
 2. **Dropping finished rows:** the same engine with eos made likely (a logit bias, so lengths spread like a trained
    model's), finished rows dropped vs kept, alternated in one process; the tokens must be identical.
+   **Each prompt once in the update:** policy forward + backward over G completions per prompt, full rows vs
+   `grouped_completion_logprobs`, alternated.
 3. **One RL epoch the size of the tutorial's run:** 96 prompts x G 16 in one `RLModule` step (one rollout call),
    <= 64 new tokens, sandboxed verifier scoring, and the policy update of the last block + final norm + untied head
    (the project's RL scope), through a real Lightning `Trainer`. Wall time split into generation, verifier,
@@ -19,6 +21,7 @@ enters the update (the tutorial updated 73 of 96 groups): an upper bound on the 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import math
 import resource
 import time
@@ -35,6 +38,7 @@ from glm_lightning.model import GLMConfig, GLMModel
 from glm_lightning.model.model import GLMOutput
 from glm_lightning.modules.rl import RLModule
 from glm_lightning.rl.config import PolicyLoss, Sampling
+from glm_lightning.rl.loss import build_sequences, completion_logprobs, grouped_completion_logprobs, pad_completions
 from glm_lightning.tasks.task import make_tasks
 from glm_lightning.tokenizer import ByteTokenizer
 
@@ -86,6 +90,40 @@ def compaction_ab(model: GLMModel, per_family: int, samples: int, new_tokens: in
             "speedup": keep / drop, "identical_tokens": same}
 
 
+def update_ab(model: GLMModel, prompts: int, samples: int, new_tokens: int, reps: int) -> dict[str, Any]:
+    """Policy forward + backward (last block + final norm + untied head trainable) over G completions per prompt:
+    every full row teacher-forced (before) vs each prompt run once (`grouped_completion_logprobs`), alternated."""
+    model.untie_head()
+    for name, p in model.named_parameters():
+        p.requires_grad_(any(fnmatch.fnmatch(f"model.{name}", pat) for pat in TRAIN_SCOPE))
+    model.train()
+    tasks = make_tasks("rl", prompts, FAMILIES)[:prompts]
+    prompt_ids = [TOK.encode(t.prompt, bos=True) for t in tasks]
+    gen = torch.Generator().manual_seed(0)
+    comps = [torch.randint(0, 256, (int(n),), generator=gen).tolist()
+             for n in torch.randint(new_tokens // 4, new_tokens + 1, (prompts * samples,), generator=gen)]
+    ids, targets, mask = build_sequences([prompt_ids[i // samples] for i in range(len(comps))], comps)
+    pids, pvalid = TOK.left_pad(prompt_ids)
+    cids, cvalid = pad_completions(comps)
+    times: dict[str, list[float]] = {"full": [], "grouped": []}
+    lps = {}
+    for _ in range(reps):
+        for kind in ("full", "grouped"):
+            model.zero_grad(set_to_none=True)
+            t = time.perf_counter()
+            if kind == "full":
+                lp = completion_logprobs(model, ids, targets, TEMPERATURE)[0][mask]
+            else:
+                lp = grouped_completion_logprobs(model, pids, pvalid, cids, cvalid, TEMPERATURE)[0][cvalid]
+            lp.sum().backward()
+            times[kind].append(time.perf_counter() - t)
+            lps[kind] = lp.detach()
+    full, grouped = min(times["full"]), min(times["grouped"])
+    return {"rows": len(comps), "tokens_full": int(ids.numel()), "tokens_grouped": int(pids.numel() + cids.numel()),
+            "full_s": full, "grouped_s": grouped, "speedup": full / grouped,
+            "max_logp_diff": float((lps["full"] - lps["grouped"]).abs().max())}
+
+
 def rl_epoch(per_family: int, group_size: int, new_tokens: int, micro_batch: int, kl_coef: float) -> dict[str, Any]:
     """One RLModule step over all prompts (= one epoch), timed by the module's own step timers."""
     torch.manual_seed(0)
@@ -135,6 +173,10 @@ def run(quick: bool = False, kl_coef: float = 0.0) -> dict[str, Any]:
     print(f"drop finished rows: {ab['rows']} rows, mean length {ab['mean_length']:.1f} of {ab['new_tokens']}: "
           f"kept {ab['kept_s']:.2f} s, dropped {ab['dropped_s']:.2f} s, {ab['speedup']:.2f}x, identical tokens: "
           f"{ab['identical_tokens']}", flush=True)
+    up = update_ab(model, 2 if quick else 4, samples, 16 if quick else 64, reps=2)
+    print(f"policy forward+backward, {up['rows']} rows: full rows {up['full_s']:.2f} s ({up['tokens_full']} tokens), "
+          f"each prompt once {up['grouped_s']:.2f} s ({up['tokens_grouped']} tokens), {up['speedup']:.2f}x, "
+          f"max |logp diff| {up['max_logp_diff']:.1e}", flush=True)
     del model
     ep = rl_epoch(per_family, samples, 16 if quick else 64, micro_batch=16 if quick else 64, kl_coef=kl_coef)
     print(f"RL epoch, {ep['prompts']} prompts x G {ep['group_size']}, <= {ep['max_new_tokens']} new tokens, "
@@ -142,7 +184,7 @@ def run(quick: bool = False, kl_coef: float = 0.0) -> dict[str, Any]:
           f"{ep['generation_s']:.0f} s + verifier {ep['verifier_s']:.1f} s + reference log-probs "
           f"{ep['ref_logprobs_s']:.0f} s + policy update {ep['policy_update_s']:.0f} s + other {ep['other_s']:.0f} s; "
           f"peak RSS {ep['peak_rss_mb']:.0f} MB", flush=True)
-    return {"generation": gen, "compaction": ab, "epoch": ep, "peak_rss_mb": peak_rss_mb()}
+    return {"generation": gen, "compaction": ab, "update": up, "epoch": ep, "peak_rss_mb": peak_rss_mb()}
 
 
 if __name__ == "__main__":

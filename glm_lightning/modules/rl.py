@@ -95,7 +95,8 @@ class RLModule(StageModule):
             loss: advantage estimator, loss aggregation, KL to the start policy, PPO clip and epochs.
             verifier: sandboxed verifier settings.
             grad_clip: max global grad norm (0 = off).
-            micro_batch_size: rows per forward/backward (null = the whole step at once).
+            micro_batch_size: rows per forward/backward, rounded down to whole groups of G (null = the whole step
+                at once).
             untie_head: give the output head its own weights (it trains while the input embedding stays frozen).
             log_samples_every_n_steps: period of the rollout text table (0 = never).
             **kwargs: the shared stage arguments (`StageModule`: preset, model_overrides, init_weights, lr, ...);
