@@ -191,11 +191,9 @@ def _decode(model: torch.nn.Module, cache: ModelCache, logits: torch.Tensor, max
             noise = torch.empty((n, logits.shape[-1]), device=device).exponential_(1, generator=generator)
             noise = noise if rows.shape[0] == n else noise.index_select(0, rows)
         tok, lp = sample_next(logits, temperature, top_k, top_p, generator, noise)
-        out = rows if bool(live.all()) else rows[live]
-        tok_live = tok if out is rows else tok[live]
-        tokens[out, step] = tok_live
-        logprobs[out, step] = lp if out is rows else lp[live]
-        lengths[out] = step + 1
+        sel = slice(None) if bool(live.all()) else live  # the batch rows still generating
+        out = rows[sel]
+        tokens[out, step], logprobs[out, step], lengths[out] = tok[sel], lp[sel], step + 1
         done = torch.zeros_like(live) if eos_id is None else tok == eos_id
         if stop_fn is not None:
             for i in torch.nonzero((tok == NEWLINE) & live).flatten().tolist():
