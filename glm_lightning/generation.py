@@ -1,19 +1,30 @@
 """Cached generation: prefill once, replicate the caches for G samples, decode token by token (nanochat's engine
 pattern, arXiv-free). KDA layers carry a constant-size recurrent state + short-conv buffer; DSA layers carry
-preallocated K/V and indexer-key buffers and pick top-k cached keys per new token.
+preallocated K/V and indexer-key buffers (sized to prompt + budget, not the whole context) and pick top-k cached
+keys per new token.
 
 Ragged prompts are left-padded (so every row's next token sits at the same column); pad positions are marked
 invalid, which makes them identity steps for KDA and masked keys for DSA, so a padded row generates exactly what it
-would generate alone. Finished rows keep feeding invalid pad tokens, which leaves their state untouched.
+would generate alone.
+
+Large batches (RL: every prompt x G samples in one prefill and one decode loop) lose most of their rows early, so
+finished rows are dropped from the batch: once enough of the batch is finished, every cache tensor keeps only the
+live rows (`ModelCache.index_select`). Until then a finished row feeds an invalid pad token, which leaves its state
+untouched. Sampling draws its noise for every original row at every step (the exponential race that
+`torch.multinomial` runs internally, so the tokens are bit-identical to it), which makes the tokens independent of
+when, or whether, rows are dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from glm_lightning.model.cache import ModelCache
+from glm_lightning.model.dsa import DSACache
 from glm_lightning.tokenizer import ByteTokenizer
 
 _TOK = ByteTokenizer()
@@ -55,14 +66,16 @@ def left_align(prompt_ids: torch.Tensor,
     return ids.to(prompt_ids.device), valid.to(prompt_ids.device)
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next token [N] and its log-prob under the (tempered, truncated) sampling distribution."""
-    logits = logits.float()
-    if temperature == 0:
-        tok = logits.argmax(-1)
-        return tok, torch.zeros_like(tok, dtype=torch.float)
-    logits = logits / temperature
+COMPACT_FRACTION = 0.125
+"""Drop finished rows once they are at least this share of the decode batch, and only if the decode steps they would
+still cost before the budget ends add up to one full-batch step: copying the live rows' caches (fresh memory) took
+0.4-0.8 of a decode step on flash-25m (1 thread, 512 rows, busy machine), so copies must stay rare and pay back."""
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int | None,
+                      top_p: float | None) -> torch.Tensor:
+    """Log-probs [N, V] of the tempered, truncated sampling distribution (temperature > 0)."""
+    logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -72,9 +85,35 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
         drop_sorted = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix reaching top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    logp = logits.log_softmax(-1)
-    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return logits.log_softmax(-1)
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                generator: torch.Generator | None,
+                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token [N] and its log-prob under the (tempered, truncated) sampling distribution.
+
+    Sampling is the exponential race argmax(p / E), E ~ Exp(1), exactly what `torch.multinomial(p, 1)` computes;
+    `noise` [N, V] supplies E (drawn by the caller per original row, see `generate`), else it is drawn here."""
+    if temperature == 0:
+        tok = logits.float().argmax(-1)
+        return tok, torch.zeros_like(tok, dtype=torch.float)
+    logp = sampling_logprobs(logits, temperature, top_k, top_p)
+    if noise is None:
+        noise = torch.empty_like(logp).exponential_(1, generator=generator)
+    tok = (logp.exp() / noise).argmax(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def decode_cache(model: torch.nn.Module, batch: int, length: int) -> ModelCache:
+    """`model.new_cache(batch)` with DSA buffers `length` positions long (prompt + budget) instead of the whole
+    context: less memory to replicate for G samples and to copy when rows are dropped."""
+    cache = model.new_cache(batch)
+    if length < model.cfg.max_seq_len:
+        sized = dataclasses.replace(model.cfg, max_seq_len=length)
+        cache.layers = [DSACache.empty(batch, sized, layer.k.device) if isinstance(layer, DSACache) else layer
+                        for layer in cache.layers]
+    return cache
 
 
 @torch.inference_mode()
@@ -91,12 +130,14 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     stop_fn: Callable[[list[int]], bool] | None = None,
     banned_ids: Sequence[int] = (_TOK.pad_id, _TOK.bos_id, _TOK.image_start_id, _TOK.image_id, _TOK.image_end_id),
+    compact: bool = True,
 ) -> Generation:
     """Sample `num_samples` completions per prompt with the model's decoding caches (see module docstring).
 
     `stop_fn(completion_tokens)` is asked only after a newline byte, so it may be moderately expensive (e.g. "does
     the completion parse as a complete function?"); returning True finishes that row. `attention_mask`: bool [B, T],
-    True on real tokens (see `left_align`).
+    True on real tokens (see `left_align`). `compact=False` keeps finished rows in the batch (same tokens, slower;
+    tests and benchmarks compare the two).
     """
     cfg = model.cfg
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2:
@@ -119,38 +160,58 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        cache = model.new_cache(ids.shape[0])
+        cache = decode_cache(model, ids.shape[0], ids.shape[1] + max_new_tokens)
         logits = model(ids, valid=valid, cache=cache).logits[:, -1]
         if num_samples > 1:
             cache = cache.repeat_interleave(num_samples)
             logits = logits.repeat_interleave(num_samples, dim=0)
-        n = logits.shape[0]
-        ban = torch.tensor(list(banned_ids), dtype=torch.long, device=logits.device)
-        tokens = torch.full((n, max_new_tokens), _TOK.pad_id, dtype=torch.long, device=logits.device)
-        logprobs = torch.zeros((n, max_new_tokens), device=logits.device)
-        finished = torch.zeros(n, dtype=torch.bool, device=logits.device)
-        lengths = torch.zeros(n, dtype=torch.long, device=logits.device)
-        for step in range(max_new_tokens):
-            if ban.numel():
-                logits = logits.index_fill(-1, ban, float("-inf"))
-            tok, lp = sample_next(logits, temperature, top_k, top_p, generator)
-            tok = tok.masked_fill(finished, _TOK.pad_id)
-            tokens[:, step] = tok
-            logprobs[:, step] = lp.masked_fill(finished, 0.0)
-            lengths += (~finished).long()
-            if eos_id is not None:
-                finished |= tok == eos_id
-            if stop_fn is not None:
-                for row in torch.nonzero((tok == NEWLINE) & ~finished).flatten().tolist():
-                    if stop_fn(tokens[row, : step + 1].tolist()):
-                        finished[row] = True
-            if bool(finished.all()) or step == max_new_tokens - 1:
-                break
-            live = ~finished
-            logits = model(tok[:, None], valid=live[:, None], cache=cache).logits[:, -1]
-        return Generation(tokens=tokens, logprobs=logprobs, lengths=lengths)
+        return _decode(model, cache, logits, max_new_tokens, temperature, top_k, top_p, eos_id, generator, stop_fn,
+                       banned_ids, compact)
     finally:
         model.train(was_training)
+
+
+def _decode(model: torch.nn.Module, cache: ModelCache, logits: torch.Tensor, max_new_tokens: int,
+            temperature: float, top_k: int | None, top_p: float | None, eos_id: int | None,
+            generator: torch.Generator | None, stop_fn: Callable[[list[int]], bool] | None,
+            banned_ids: Sequence[int], compact: bool) -> Generation:
+    """The decode loop. `rows[i]` is the output row of batch row i; `live[i]` is False once it finished (until the
+    batch is compacted and the row leaves it)."""
+    n, device = logits.shape[0], logits.device
+    ban = torch.tensor(list(banned_ids), dtype=torch.long, device=device)
+    tokens = torch.full((n, max_new_tokens), _TOK.pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((n, max_new_tokens), device=device)
+    lengths = torch.zeros(n, dtype=torch.long, device=device)
+    rows = torch.arange(n, device=device)
+    live = torch.ones(n, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        if ban.numel():
+            logits = logits.index_fill(-1, ban, float("-inf"))
+        noise = None
+        if temperature > 0:  # one draw per original row and step, whoever is still in the batch
+            noise = torch.empty((n, logits.shape[-1]), device=device).exponential_(1, generator=generator)
+            noise = noise if rows.shape[0] == n else noise.index_select(0, rows)
+        tok, lp = sample_next(logits, temperature, top_k, top_p, generator, noise)
+        sel = slice(None) if bool(live.all()) else live  # the batch rows still generating
+        out = rows[sel]
+        tokens[out, step], logprobs[out, step], lengths[out] = tok[sel], lp[sel], step + 1
+        done = torch.zeros_like(live) if eos_id is None else tok == eos_id
+        if stop_fn is not None:
+            for i in torch.nonzero((tok == NEWLINE) & live).flatten().tolist():
+                if stop_fn(tokens[int(rows[i]), : step + 1].tolist()):
+                    done[i] = True
+        live &= ~done
+        n_live = int(live.sum())
+        if n_live == 0 or step == max_new_tokens - 1:
+            break
+        dead, remaining = live.shape[0] - n_live, max_new_tokens - step - 1
+        if compact and dead >= COMPACT_FRACTION * live.shape[0] and dead * remaining >= live.shape[0]:
+            keep = torch.nonzero(live).flatten()
+            cache, rows, tok = cache.index_select(keep), rows[keep], tok[keep]
+            live = torch.ones(n_live, dtype=torch.bool, device=device)
+        step_valid = None if n_live == live.shape[0] else live[:, None]
+        logits = model(tok.masked_fill(~live, _TOK.pad_id)[:, None], valid=step_valid, cache=cache).logits[:, -1]
+    return Generation(tokens=tokens, logprobs=logprobs, lengths=lengths)
 
 
 @torch.inference_mode()

@@ -1,10 +1,12 @@
-"""Cached generation: incremental == full forward, cached greedy == naive loop, determinism, ragged prompts."""
+"""Cached generation: incremental == full forward, cached greedy == naive loop, determinism, ragged prompts,
+dropping finished rows changes no token."""
 
 import pytest
 import torch
 
-from glm_lightning.generation import generate, generate_naive
+from glm_lightning.generation import generate, generate_naive, sample_next, sampling_logprobs
 from glm_lightning.model import GLMConfig, GLMModel
+from glm_lightning.model.model import GLMOutput
 from glm_lightning.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -76,6 +78,64 @@ def test_ragged_rows_equal_each_row_alone():
         together = generate(model, ids, max_new_tokens=16, attention_mask=valid, eos_id=None).tokens
         for i in range(2):
             assert torch.equal(together[i], alone[i])
+
+
+def batch_sizes(model) -> list[int]:
+    """Record the batch size of every forward call (to see whether finished rows were dropped)."""
+    seen: list[int] = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0].shape[0]), with_kwargs=True)
+    return seen
+
+
+def test_sampling_is_torch_multinomial():
+    """The per-row exponential race draws exactly what torch.multinomial drew before (same seed, same tokens)."""
+    logits = torch.randn(16, 262) * 3
+    logits[:, :4] = float("-inf")
+    for kw in (dict(top_k=None, top_p=None), dict(top_k=30, top_p=None), dict(top_k=None, top_p=0.8)):
+        tok, lp = sample_next(logits, 0.7, generator=torch.Generator().manual_seed(4), **kw)
+        ref_logp = sampling_logprobs(logits, 0.7, **kw)
+        ref = torch.multinomial(ref_logp.exp(), 1, generator=torch.Generator().manual_seed(4)).squeeze(-1)
+        assert torch.equal(tok, ref) and torch.equal(lp, ref_logp.gather(-1, ref[:, None]).squeeze(-1))
+
+
+def test_dropping_finished_rows_changes_no_token():
+    """With eos made likely, rows finish at different steps; the compacted batch samples the same tokens as the
+    batch that keeps every row (noise is drawn per original row), and log-probs agree to float rounding."""
+    model = tiny()
+    bias = torch.zeros(model.cfg.vocab_size)
+    bias[TOK.eos_id] = 3.0
+    model.register_forward_hook(lambda m, args, out: GLMOutput(out.logits + bias, out.aux_loss))
+    seen = batch_sizes(model)
+    ids, valid = TOK.encode_batch(["def f(x):", "# a longer prompt\ndef h(value):", "x"])
+    run = lambda compact: generate(model, ids, max_new_tokens=24, temperature=1.0, num_samples=8,
+                                   attention_mask=valid, generator=torch.Generator().manual_seed(5), compact=compact)
+    kept = run(False)
+    assert seen[1:] == [24] * (len(seen) - 1)  # every decode step ran the whole batch
+    seen.clear()
+    dropped = run(True)
+    assert min(seen) < 24 and seen[1:] == sorted(seen[1:], reverse=True)  # rows really left the batch
+    assert len(set(kept.lengths.tolist())) > 3 and (kept.lengths < 24).any()
+    assert torch.equal(dropped.tokens, kept.tokens) and torch.equal(dropped.lengths, kept.lengths)
+    assert torch.allclose(dropped.logprobs, kept.logprobs, atol=1e-5)
+
+
+def test_row_left_in_a_compacted_batch_equals_row_alone():
+    """Greedy: a row that outlives the others (which leave the batch) generates what it would alone."""
+    model = tiny()
+    seen = batch_sizes(model)
+    texts = ["def f(x):", "# a longer prompt here\ndef h(value):", "return"]
+    rows = [torch.tensor([TOK.encode(t, bos=True)]) for t in texts]
+    free = [generate(model, r, max_new_tokens=16, eos_id=None).tokens[0] for r in rows]
+    stop = int(free[0][3])  # an "eos" that row 0 emits early, so row 0 finishes before the end
+    alone = [generate(model, r, max_new_tokens=16, eos_id=stop) for r in rows]
+    lengths = [int(a.lengths[0]) for a in alone]
+    assert lengths[0] <= 4 and max(lengths) == 16
+    ids, valid = TOK.encode_batch(texts)
+    seen.clear()
+    together = generate(model, ids, max_new_tokens=16, attention_mask=valid, eos_id=stop)
+    assert min(seen) < 3
+    for i in range(3):
+        assert torch.equal(together.tokens[i], alone[i].tokens[0]) and int(together.lengths[i]) == lengths[i]
 
 
 def test_padding_mix_ups_are_refused():

@@ -26,6 +26,8 @@ from glm_lightning.rl.loss import (
     build_sequences,
     completion_logprobs,
     compute_advantages,
+    grouped_completion_logprobs,
+    pad_completions,
     token_losses,
     verdict_reward,
 )
@@ -135,6 +137,37 @@ def test_policy_gradient_step_moves_logprobs_by_advantage_sign():
             opt.step()
             change = (seq_logps(m) - before)[row]
             assert change * adv[0, row] > 0, (aggregation, row, change)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_grouped_logprobs_equal_full_rows(mode):
+    """Each prompt run once, its G completions continued from the replicated cache: the same log-probs, entropies
+    and trainable-parameter gradients as teacher-forcing every full row (ragged prompts and completions)."""
+    torch.manual_seed(0)
+    model = GLMModel(GLMConfig.preset("tiny", max_seq_len=64))
+    model.untie_head()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(("blocks.3.", "final_norm.", "lm_head.")))
+    getattr(model, mode)()
+    prompts = [TOK.encode("def f(x):", bos=True), TOK.encode("# a longer prompt\ndef g(value):", bos=True)]
+    g = 3
+    comps = [torch.randint(0, 256, (n,)).tolist() for n in (1, 7, 19, 4, 12, 2)]
+    ids, targets, mask = build_sequences([prompts[i // g] for i in range(len(comps))], comps)
+    pids, pvalid = TOK.left_pad(prompts)
+    cids, cvalid = pad_completions(comps)
+    full, grouped = copy.deepcopy(model), copy.deepcopy(model)
+    lp, ent, _ = completion_logprobs(full, ids, targets, 0.7)
+    glp, gent, _ = grouped_completion_logprobs(grouped, pids, pvalid, cids, cvalid, 0.7)
+    assert torch.allclose(lp[mask], glp[cvalid], atol=1e-5) and torch.allclose(ent[mask], gent[cvalid], atol=1e-4)
+    weights = torch.randn(int(mask.sum()))
+    (lp[mask] * weights).sum().backward()
+    (glp[cvalid] * weights).sum().backward()
+    pairs = list(zip(full.parameters(), grouped.parameters()))
+    assert all((a.grad is None) == (b.grad is None) for a, b in pairs)
+    trained = [(a, b) for a, b in pairs if a.grad is not None]
+    assert len(trained) >= 10 and all(a.requires_grad for a, _ in trained)  # the mixer, MoE, norms and head
+    for a, b in trained:
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4)
 
 
 # --- bad input -------------------------------------------------------------------------------------------------------
@@ -268,7 +301,8 @@ def test_short_run_freezing_logs_and_rollouts(tmp_path, monkeypatch):
     tags = set(acc.Tags()["scalars"])
     for tag in ("train/reward_mean", "train/reward_std", "train/pass_rate", "train/frac_reward_zero_std",
                 "train/kl", "train/entropy", "train/completion_len", "train/clip_frac", "train/truncated_frac",
-                "time/generate_s", "time/verify_s", "time/update_s", "train/pass_rate/increment", "val/ref_nll",
+                "time/generate_s", "time/verify_s", "time/update_s", "time/ref_logprobs_s", "time/policy_s",
+                "train/pass_rate/increment", "val/ref_nll",
                 "val/pass@1", "val/pass@2", "val/greedy_pass", "val/pass@2/square", "val/greedy_pass/monitor",
                 "regression/square/delta", "regression/flagged"):
         assert tag in tags, (tag, sorted(tags))

@@ -32,6 +32,8 @@ from glm_lightning.rl.loss import (
     build_sequences,
     completion_logprobs,
     compute_advantages,
+    grouped_completion_logprobs,
+    pad_completions,
     token_losses,
     verdict_reward,
 )
@@ -44,19 +46,31 @@ TOK = ByteTokenizer()
 
 @dataclass
 class UpdateBatch:
-    """Teacher-forcing rows of the samples that enter the loss, split into micro-batches."""
+    """The groups whose samples enter the loss: each prompt once (left-padded) and its G completions
+    (right-padded), split into micro-batches of whole groups (`grouped_completion_logprobs` runs a prompt once)."""
 
     rows: list[int]
-    ids: torch.Tensor
-    targets: torch.Tensor
+    prompt_ids: torch.Tensor
+    """[groups, Tp] left-padded prompts."""
+    prompt_valid: torch.Tensor
+    completions: torch.Tensor
+    """[rows, Tc] right-padded completions; row j belongs to prompt j // G."""
     mask: torch.Tensor
+    """[rows, Tc] True on the completion tokens (the loss positions)."""
     advantages: torch.Tensor
     normalizer: float
-    chunks: list[slice]
+    chunks: list[tuple[slice, slice]]
+    """Per micro-batch: (its prompts, its rows)."""
 
     @property
     def n_tokens(self) -> float:
         return float(self.mask.sum())
+
+    def logprobs(self, model: torch.nn.Module, chunk: tuple[slice, slice],
+                 temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        groups, rows = chunk
+        return grouped_completion_logprobs(model, self.prompt_ids[groups], self.prompt_valid[groups],
+                                           self.completions[rows], self.mask[rows], temperature)
 
 
 class RLModule(StageModule):
@@ -81,7 +95,8 @@ class RLModule(StageModule):
             loss: advantage estimator, loss aggregation, KL to the start policy, PPO clip and epochs.
             verifier: sandboxed verifier settings.
             grad_clip: max global grad norm (0 = off).
-            micro_batch_size: rows per forward/backward (null = the whole step at once).
+            micro_batch_size: rows per forward/backward, rounded down to whole groups of G (null = the whole step
+                at once).
             untie_head: give the output head its own weights (it trains while the input embedding stays frozen).
             log_samples_every_n_steps: period of the rollout text table (0 = never).
             **kwargs: the shared stage arguments (`StageModule`: preset, model_overrides, init_weights, lr, ...);
@@ -143,27 +158,33 @@ class RLModule(StageModule):
 
     # --- step 3: update --------------------------------------------------------------------------------------------
     def update_batch(self, rollouts: Rollouts, advantages: torch.Tensor, keep: torch.Tensor) -> UpdateBatch | None:
-        """The informative groups' rows (None when no rank has any). Under DDP a rank without rows joins the
-        backward with one zero-weight row, and the loss normaliser is the mean over ranks."""
+        """The informative groups (None when no rank has any). Under DDP a rank without any joins the backward with
+        one zero-weight group, and the loss normaliser is the mean over ranks. Micro-batches hold whole groups:
+        `micro_batch_size` rows, rounded down to a multiple of G (at least one group)."""
         g = rollouts.group_size
-        rows = [i for i in range(len(rollouts.texts)) if bool(keep[i // g])]
+        groups = [i for i in range(len(rollouts.tasks)) if bool(keep[i])]
         world = self.trainer.world_size if self._trainer is not None else 1
-        any_rows = self.trainer.strategy.reduce_boolean_decision(bool(rows), all=False) if world > 1 else bool(rows)
+        any_rows = self.trainer.strategy.reduce_boolean_decision(bool(groups), all=False) if world > 1 \
+            else bool(groups)
         if not any_rows:
             return None
-        weight = 1.0 if rows else 0.0
-        rows = rows or [0]
-        ids, targets, mask = build_sequences([rollouts.prompt_ids[i // g] for i in rows],
-                                             [rollouts.completion_ids[i] for i in rows])
+        weight = 1.0 if groups else 0.0
+        groups = groups or [0]
+        rows = [i * g + j for i in groups for j in range(g)]
+        prompt_ids, prompt_valid = TOK.left_pad([rollouts.prompt_ids[i] for i in groups])
+        completions, mask = pad_completions([rollouts.completion_ids[i] or [TOK.pad_id] for i in rows])
+        mask &= torch.tensor([bool(rollouts.completion_ids[i]) for i in rows])[:, None]
         device = self.model.embed.weight.device
         mask = (mask & (weight > 0)).to(device)
         normalizer = float(mask.sum()) if self.loss.aggregation == "token" else float((mask.sum(1) > 0).sum())
         if world > 1:
             normalizer = float(self.trainer.strategy.reduce(torch.tensor(normalizer, device=device),
                                                             reduce_op="sum")) / world
-        mb = self.hparams.micro_batch_size or len(rows)
-        return UpdateBatch(rows, ids.to(device), targets.to(device), mask, advantages.flatten()[rows].to(device),
-                           normalizer, [slice(s, min(s + mb, len(rows))) for s in range(0, len(rows), mb)])
+        per = max(1, (self.hparams.micro_batch_size or len(rows)) // g)  # groups per micro-batch
+        chunks = [(slice(s, min(s + per, len(groups))), slice(s * g, min(s + per, len(groups)) * g))
+                  for s in range(0, len(groups), per)]
+        return UpdateBatch(rows, prompt_ids.to(device), prompt_valid.to(device), completions.to(device), mask,
+                           advantages.flatten()[rows].to(device), normalizer, chunks)
 
     @torch.no_grad()
     def reference_logprobs(self, batch: UpdateBatch) -> torch.Tensor | None:
@@ -173,8 +194,7 @@ class RLModule(StageModule):
         was_training = self.ref_model.training
         self.ref_model.eval()
         t = self.sampling.temperature
-        out = torch.cat([completion_logprobs(self.ref_model, batch.ids[c], batch.targets[c], t)[0]
-                         for c in batch.chunks])
+        out = torch.cat([batch.logprobs(self.ref_model, c, t)[0] for c in batch.chunks])
         self.ref_model.train(was_training)
         return out
 
@@ -186,13 +206,13 @@ class RLModule(StageModule):
         opt = self.optimizers()
         opt.zero_grad()
         for k, c in enumerate(batch.chunks):
-            logp, entropy, aux = completion_logprobs(self.model, batch.ids[c], batch.targets[c],
-                                                     self.sampling.temperature)
+            logp, entropy, aux = batch.logprobs(self.model, c, self.sampling.temperature)
             if first:
                 old_lp.append(logp.detach())
-            m = batch.mask[c]
-            tok_loss, clipped, kl = token_losses(logp, old_lp[k], batch.advantages[c],
-                                                 None if ref_lp is None else ref_lp[c], lc.kl_coef, lc.clip_eps,
+            rows = c[1]
+            m = batch.mask[rows]
+            tok_loss, clipped, kl = token_losses(logp, old_lp[k], batch.advantages[rows],
+                                                 None if ref_lp is None else ref_lp[rows], lc.kl_coef, lc.clip_eps,
                                                  lc.clip_eps_high)
             loss = aggregate_loss(tok_loss, m, lc.aggregation, batch.normalizer)
             share = float(m.sum()) / max(batch.n_tokens, 1.0)
@@ -204,8 +224,7 @@ class RLModule(StageModule):
             if first:
                 sums["kl"] += float((kl.detach() * mf).sum())
                 sums["entropy"] += float((entropy * mf).sum())
-                sums["logprob_gap"] += self._logprob_gap(logp.detach(), m, [batch.rows[j] for j in
-                                                                            range(c.start, c.stop)], rollouts)
+                sums["logprob_gap"] += self._logprob_gap(logp.detach(), m, batch.rows[rows], rollouts)
         grads = [p.grad for p in self.parameters() if p.requires_grad and p.grad is not None]
         grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) \
             if grads else 0.0
@@ -232,7 +251,9 @@ class RLModule(StageModule):
         batch = self.update_batch(rollouts, advantages, keep)
         if batch is None:
             return {}
+        t0 = time.perf_counter()
         ref_lp = self.reference_logprobs(batch)
+        t1 = time.perf_counter()
         old_lp: list[torch.Tensor] = []
         sums: dict[str, float] = defaultdict(float)
         epochs = self.loss.ppo_epochs
@@ -243,7 +264,8 @@ class RLModule(StageModule):
         n_seq = int((batch.mask.sum(1) > 0).sum())
         return {"loss": sums["loss"] / epochs, "aux_loss": sums["aux_loss"] / epochs, "kl": sums["kl"] / denom,
                 "entropy": sums["entropy"] / denom, "logprob_gap": sums["logprob_gap"] / max(1, n_seq),
-                "clip_frac": sums["clipped"] / (denom * epochs), "grad_norm": grad_norm}
+                "clip_frac": sums["clipped"] / (denom * epochs), "grad_norm": grad_norm,
+                "time/ref_logprobs_s": t1 - t0, "time/policy_s": time.perf_counter() - t1}
 
     # --- the Lightning step ----------------------------------------------------------------------------------------
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
@@ -268,7 +290,7 @@ class RLModule(StageModule):
     def _log_step(self, rollouts: Rollouts, verdicts: Sequence[Any], rewards: torch.Tensor, advantages: torch.Tensor,
                   keep: torch.Tensor, stats: dict[str, float], times: tuple[float, float, float]) -> None:
         logs = step_metrics(rollouts, verdicts, rewards, keep)
-        logs.update({f"train/{k}": v for k, v in stats.items()})
+        logs.update({k if k.startswith("time/") else f"train/{k}": v for k, v in stats.items()})
         logs.update({"train/groups_skipped": float(self._groups_skipped),
                      "train/groups_updated": float(self._groups_seen - self._groups_skipped),
                      "train/verifier_failures": float(self._verifier_failures),

@@ -120,6 +120,49 @@ def completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, targets
     return logp, entropy, out.aux_loss
 
 
+def grouped_completion_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_valid: torch.Tensor,
+                                completions: torch.Tensor, completion_valid: torch.Tensor, temperature: float = 1.0
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`completion_logprobs` for G completions of each prompt, running each prompt once instead of G times.
+
+    The prompts ([P, Tp], left-padded, `prompt_valid` bool) are prefilled into a decoding cache, the cache is
+    replicated G = N / P times, and the completions ([N, Tc], right-padded, `completion_valid` bool) continue from
+    it, as in generation. Gradients reach the prompt's share of every trainable layer through the replicated
+    cache. In RL the prompt is most of each row, so this runs the model on about half the tokens.
+    Returns logp [N, Tc] (of `completions` itself), entropy [N, Tc] (detached) and the aux loss (the two calls'
+    aux losses weighted by their lengths: close to, not equal to, the full rows' aux loss).
+    """
+    p, n = prompt_ids.shape[0], completions.shape[0]
+    if n % p:
+        raise ValueError(f"{n} completions do not split into groups of the {p} prompts")
+    g = n // p
+    cache = model.new_cache(p)
+    first = model(prompt_ids, valid=prompt_valid, cache=cache)
+    logits, aux = first.logits[:, -1:].repeat_interleave(g, 0), first.aux_loss
+    if completions.shape[1] > 1:
+        cache = cache.repeat_interleave(g)
+        rest = model(completions[:, :-1], valid=completion_valid[:, :-1], cache=cache)
+        logits = torch.cat([logits, rest.logits], 1)
+        tp, tc = prompt_ids.shape[1], completions.shape[1] - 1  # aux terms are means: weigh the calls by length
+        aux = (tp * aux + tc * rest.aux_loss) / (tp + tc)
+    logp_all = (logits.float() / temperature).log_softmax(-1)
+    logp = logp_all.gather(-1, completions.clamp(min=0)[..., None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy, aux
+
+
+def pad_completions(completions: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded completion ids [N, Tc] and their bool mask (True on real tokens; every row needs >= 1)."""
+    width = max(len(c) for c in completions)
+    ids = torch.full((len(completions), width), TOK.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(completions), width), dtype=torch.bool)
+    for i, c in enumerate(completions):
+        ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        mask[i, : len(c)] = True
+    return ids, mask
+
+
 def build_sequences(prompts: Sequence[list[int]], completions: Sequence[list[int]]) -> tuple[torch.Tensor, ...]:
     """Right-padded teacher-forcing rows for `prompt + completion` token lists.
 
