@@ -4,6 +4,11 @@ validator and `tests/test_configs.py`, so a misspelt key fails before any run).
 
 Every LightningModule / DataModule / callback of the project is imported here so configs may name them by class
 name (`class_path: PretrainModule`); any LightningModule or LightningDataModule is accepted (subclass mode).
+
+Every run also gets two callbacks whatever its config says (their settings sit under `last_checkpoint:` and
+`preflight:`): `LastCheckpoint` keeps `checkpoints/last.ckpt` current (step schedule, end, Ctrl-C, SIGTERM, errors)
+and `Preflight` refuses, before the first step, configs that would fail or mislead later. Resuming with
+`--ckpt_path <log dir>/checkpoints/last.ckpt` continues in that same log directory (TensorBoard curves continue).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
@@ -21,6 +27,8 @@ from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.pytorch.cli import ArgsType, LightningCLI  # noqa: E402
 
 import callbacks  # noqa: E402,F401  (registers callbacks for class_path lookup)
+from callbacks.last_checkpoint import LastCheckpoint  # noqa: E402
+from callbacks.preflight import Preflight, check_run  # noqa: E402
 import datamodules  # noqa: E402,F401
 import glm_lightning.modules  # noqa: E402,F401
 
@@ -29,7 +37,35 @@ CLI_DEFAULTS: dict[str, Any] = {"subclass_mode_model": True, "subclass_mode_data
 
 
 class GLMCLI(LightningCLI):
-    """LightningCLI with project defaults: seed 0, config saved next to the logs (overwritten on re-runs)."""
+    """LightningCLI with project defaults: seed 0, config saved next to the logs (overwritten on re-runs), the
+    always-on `LastCheckpoint` and `Preflight` callbacks, resume into the checkpoint's own log directory."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_lightning_class_args(LastCheckpoint, "last_checkpoint")
+        parser.add_lightning_class_args(Preflight, "preflight")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        if config is not None and config.get("ckpt_path"):
+            resume_into_same_run(config)
+
+
+def resume_into_same_run(config: Any) -> None:
+    """When `ckpt_path` is `<save_dir>/<name>/version_K/checkpoints/*.ckpt` of this config's TensorBoard logger
+    (and no version is set), log into version_K again instead of a new version_K+1."""
+    logger = config.get("trainer", {}).get("logger")
+    if not hasattr(logger, "get") or "TensorBoardLogger" not in str(logger.get("class_path", "")):
+        return
+    init = logger.get("init_args")
+    if init is None or init.get("version") is not None:
+        return
+    ckpt = Path(str(config["ckpt_path"])).resolve()
+    run_dir = ckpt.parent.parent
+    name = init.get("name")
+    expected = Path(str(init.get("save_dir", "lightning_logs")), *(() if name in (None, "") else (str(name),)))
+    if ckpt.parent.name == "checkpoints" and run_dir.name.startswith("version_") and \
+            run_dir.parent == expected.resolve():
+        init["version"] = run_dir.name
 
 
 def _wants_help(args: ArgsType) -> bool:
@@ -79,13 +115,14 @@ def _checker() -> Callable[[list[str]], None]:
         cfg = cli.parser.parse_args(args)
         cli.config = cfg  # the module instantiators dump cli.config into the modules' hparams
         cli.__dict__.pop("config_dump", None)
-        cli.parser.instantiate_classes(cfg)
+        init = cli.parser.instantiate_classes(cfg)
+        check_run(init.get("model"), init.get("data"), list(init.get("trainer", {}).get("callbacks") or []))
 
     return check
 
 
 def check_config(args: Sequence[str]) -> None:
     """Parse stage arguments (e.g. `["--config", "configs/rl.yaml", "--trainer.max_steps=3"]`) with the real CLI
-    parser (built once per process) and instantiate model, data, logger and callbacks, never the Trainer; raises on a
-    bad key or value."""
+    parser (built once per process) and instantiate model, data, logger and callbacks, never the Trainer, then run the
+    preflight checks (`callbacks.preflight.check_run`); raises on a bad key or value."""
     _checker()(list(args))
