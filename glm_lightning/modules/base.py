@@ -198,6 +198,7 @@ def log_final_hparams(trainer: pl.Trainer, hparams: dict[str, Any]) -> Path | No
     from lightning.fabric.utilities.logger import _convert_params, _flatten_dict, _sanitize_params
     from lightning.pytorch.loggers import TensorBoardLogger
     from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
     logger = trainer.logger
     metrics = final_metrics(trainer)
@@ -206,8 +207,11 @@ def log_final_hparams(trainer: pl.Trainer, hparams: dict[str, Any]) -> Path | No
     params = _sanitize_params(_flatten_dict(_convert_params({k: v for k, v in hparams.items()
                                                               if not k.startswith("_")})))
     params = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in params.items()}
-    log_dir = Path(logger.log_dir)
-    with SummaryWriter(str(log_dir)) as writer:
-        writer.add_hparams(params, {f"hparams/{k}": v for k, v in metrics.items()}, run_name="hparams",
-                           global_step=trainer.global_step)
-    return log_dir / "hparams"
+    out = Path(logger.log_dir) / "hparams"
+    tagged = {f"hparams/{k}": v for k, v in metrics.items()}
+    with SummaryWriter(str(out)) as writer:
+        for summary in hparams_summaries(params, tagged):
+            writer._get_file_writer().add_summary(summary)
+        for tag, value in tagged.items():
+            writer.add_scalar(tag, value, trainer.global_step)
+    return out
