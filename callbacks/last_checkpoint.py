@@ -14,6 +14,7 @@ Checkpoints taken at a step boundary (schedule, SIGINT, SIGTERM, validation-time
 data stream, optimizer and loop counters all continue. An exception in the middle of a training step keeps the
 weights of the last completed step, but the data stream skips the batch that failed.
 
+Like every checkpoint, it is off with `trainer.enable_checkpointing: false` and under `fast_dev_run`.
 The directory is the first `ModelCheckpoint`'s (`<log dir>/checkpoints` by default), so the README's resume recipe
 (`--ckpt_path .../checkpoints/last.ckpt`) always finds it.
 """
@@ -60,7 +61,8 @@ class LastCheckpoint(Callback):
         return Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
 
     def _active(self, trainer: pl.Trainer) -> bool:
-        return not trainer.fast_dev_run and not trainer.sanity_checking
+        """Off under fast_dev_run and `trainer.enable_checkpointing: false` (no checkpoint callback at all)."""
+        return not trainer.fast_dev_run and not trainer.sanity_checking and trainer.checkpoint_callback is not None
 
     def save(self, trainer: pl.Trainer, why: str = "") -> Path:
         """Write last.ckpt now (once per optimizer step) and return its path."""

@@ -109,6 +109,14 @@ class Study:
         h.update(self.base.read_bytes())
         return h.hexdigest()[:16]
 
+    def with_settings(self, settings: dict[str, Any]) -> Study:
+        """The study with config `settings` (dotted key -> value) applied to every run, e.g. from `--set`."""
+        varied = {key for v in self.variants for key in v.overrides} | set(self.seed_keys)
+        clash = sorted(set(settings) & varied)
+        if clash:
+            raise StudyError(f"{self.path}: --set cannot change {clash}: the study varies them (variants or seeds)")
+        return Study(**{**self.__dict__, "overrides": {**self.overrides, **settings}})
+
     def with_seed_count(self, n: int) -> Study:
         """The study with `n` seeds: the first n of its seeds, extended by consecutive integers if needed."""
         if n < 1:
