@@ -48,7 +48,7 @@ def check_monitors(model: Any, datamodule: Any, callbacks: Sequence[Any]) -> Non
         if not any(fnmatchcase(key, pattern) for pattern in promised):
             hint = getattr(model, "metric_hint", lambda k: "")(key)
             raise ConfigError(
-                f"trainer.callbacks[{i}] ({name}) monitors {key!r}, which this run never logs{hint}. "
+                f"trainer.callbacks: {name} monitors {key!r}, which this run never logs{hint}. "
                 f"Change its `monitor` to one of {sorted(p for p in promised if '*' not in p)}, or remove it.")
 
 
@@ -74,7 +74,7 @@ def check_freeze_patterns(model: Any, callbacks: Sequence[Any]) -> None:
         if isinstance(cb, FreezeCallback):
             for key, patterns in (("train", cb.train), ("unfreeze", cb.unfreeze)):
                 if patterns:
-                    match_parameters(names, patterns, f"trainer.callbacks[{i}] (FreezeCallback) {key} pattern")
+                    match_parameters(names, patterns, f"trainer.callbacks: FreezeCallback {key} pattern")
 
 
 def check_init_weights(model: Any, ckpt_path: Any = None) -> None:

@@ -73,8 +73,9 @@ def _wants_help(args: ArgsType) -> bool:
     return isinstance(argv, list) and any(a in ("-h", "--help") or str(a).endswith(".help") for a in argv)
 
 
-def build_cli(args: ArgsType = None, run: bool = True) -> GLMCLI:
-    """The stage CLI; `args=None` reads sys.argv, `run=False` only builds the trainer, model and data."""
+def build_cli(args: ArgsType = None, run: bool = True, exit_on_error: bool = True) -> GLMCLI:
+    """The stage CLI; `args=None` reads sys.argv, `run=False` only builds the trainer, model and data;
+    `exit_on_error=False` raises parse errors (for `cli.run`'s one-line messages) instead of printing the usage."""
     # settings dataclasses (e.g. RLModule's `sampling`) document their fields in attribute docstrings; parsing those
     # makes every parse ~5x slower, so only --help pays for it
     help_wanted = _wants_help(args)
@@ -82,7 +83,7 @@ def build_cli(args: ArgsType = None, run: bool = True) -> GLMCLI:
         set_parsing_settings(docstring_parse_attribute_docstrings=True)
     try:
         return GLMCLI(pl.LightningModule, pl.LightningDataModule, save_config_kwargs={"overwrite": True}, args=args,
-                      run=run, **CLI_DEFAULTS)
+                      run=run, parser_kwargs={"exit_on_error": exit_on_error}, **CLI_DEFAULTS)
     finally:
         if help_wanted:
             set_parsing_settings(docstring_parse_attribute_docstrings=False)

@@ -44,8 +44,11 @@ def read_checkpoint(path: str | Path) -> tuple[GLMConfig, dict[str, torch.Tensor
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if "glm_config" not in ckpt:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - pickle/zip errors of a file that is no checkpoint at all
+        raise ValueError(f"{path} is not a checkpoint (torch.load failed: {type(err).__name__})") from None
+    if not isinstance(ckpt, dict) or "glm_config" not in ckpt:
         raise ValueError(f"{path} is not a glm-lightning checkpoint (no 'glm_config' entry)")
     state = ckpt.get("state_dict", ckpt.get("model_state_dict", {}))
     model_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
