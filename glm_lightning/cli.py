@@ -65,7 +65,8 @@ def run(args: Sequence[str] | None = None) -> int:
     except SystemExit as err:
         if err.code is None or isinstance(err.code, int):
             return err.code or 0
-        print(err.code, file=sys.stderr)
+        message = str(err.code)
+        print(message if message.startswith("error") else f"error: {message}", file=sys.stderr)
         return 2
     except Exception as err:  # noqa: BLE001 - classified below; anything unexpected keeps its traceback
         if os.environ.get("GLM_DEBUG") or not is_user_error(err):

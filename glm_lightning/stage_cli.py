@@ -24,7 +24,7 @@ os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
 
 import lightning.pytorch as pl  # noqa: E402
 from jsonargparse import set_parsing_settings  # noqa: E402
-from lightning.pytorch.cli import ArgsType, LightningCLI  # noqa: E402
+from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback  # noqa: E402
 
 import callbacks  # noqa: E402,F401  (registers callbacks for class_path lookup)
 from callbacks.last_checkpoint import LastCheckpoint  # noqa: E402
@@ -36,13 +36,29 @@ CLI_DEFAULTS: dict[str, Any] = {"subclass_mode_model": True, "subclass_mode_data
                                 "seed_everything_default": 0, "auto_configure_optimizers": False}
 
 
+class SaveConfigNextToLogs(SaveConfigCallback):
+    """Writes config.yaml into the run's log directory; a run without a logger has none, and writes nothing (instead
+    of a stray config.yaml in the working directory, e.g. the repository root)."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.logger is None:
+            return
+        super().setup(trainer, pl_module, stage)
+
+
 class GLMCLI(LightningCLI):
     """LightningCLI with project defaults: seed 0, config saved next to the logs (overwritten on re-runs), the
     always-on `LastCheckpoint` and `Preflight` callbacks, resume into the checkpoint's own log directory."""
 
+    _help_wanted = False
+
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_lightning_class_args(LastCheckpoint, "last_checkpoint")
         parser.add_lightning_class_args(Preflight, "preflight")
+        if self._help_wanted:
+            parser.epilog = knobs_help()
+            parser.formatter_class = _RawEpilogFormatter(parser.formatter_class)
+
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
@@ -68,6 +84,45 @@ def resume_into_same_run(config: Any) -> None:
         init["version"] = run_dir.name
 
 
+def _RawEpilogFormatter(base: Any) -> Any:  # noqa: N802 - a class factory
+    class Formatter(base):
+        def _fill_text(self, text: str, width: int, indent: str) -> str:
+            return text  # keep the knob list's line breaks
+
+    return Formatter
+
+
+def knobs_help() -> str:
+    """Every model and data knob of the project's stages and datamodules, with its docstring, for `fit --help`
+    (in subclass mode LightningCLI lists them only per class, with `--model.help CLASS`)."""
+    import inspect
+    import textwrap
+
+    import docstring_parser
+
+    from datamodules import CodeCorpusDataModule, DigitsDataModule, RLPromptDataModule
+    from glm_lightning.modules import PretrainModule, RLModule, StageModule, VisionModule
+
+    out = ["model and data knobs (set them with --model.init_args.KEY / --data.init_args.KEY, or in YAML):"]
+    for section, classes in (("model", (PretrainModule, VisionModule, RLModule, StageModule)),
+                             ("data", (CodeCorpusDataModule, DigitsDataModule, RLPromptDataModule))):
+        for cls in classes:
+            shared = " (every stage)" if cls is StageModule else ""
+            out.append(f"\n  {section}: {cls.__module__}.{cls.__name__}{shared}")
+            docs = {p.arg_name: p.description for doc in (cls.__doc__, cls.__init__.__doc__)
+                    for p in docstring_parser.parse(doc or "").params}
+            for name in inspect.signature(cls.__init__).parameters:
+                if name in ("self", "kwargs", "args") or (cls is not StageModule and name in SHARED_STAGE_ARGS):
+                    continue
+                text = " ".join((docs.get(name) or "(no description)").split())
+                out.append(textwrap.fill(f"{name}: {text}", width=118, initial_indent="    ",
+                                         subsequent_indent="        "))
+    return "\n".join(out)
+
+
+SHARED_STAGE_ARGS = ("preset", "model_overrides", "lr", "min_lr_ratio", "weight_decay", "betas", "warmup_steps")
+
+
 def _wants_help(args: ArgsType) -> bool:
     argv = sys.argv[1:] if args is None else args
     return isinstance(argv, list) and any(a in ("-h", "--help") or str(a).endswith(".help") for a in argv)
@@ -81,10 +136,13 @@ def build_cli(args: ArgsType = None, run: bool = True, exit_on_error: bool = Tru
     help_wanted = _wants_help(args)
     if help_wanted:
         set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    GLMCLI._help_wanted = help_wanted
     try:
-        return GLMCLI(pl.LightningModule, pl.LightningDataModule, save_config_kwargs={"overwrite": True}, args=args,
+        return GLMCLI(pl.LightningModule, pl.LightningDataModule, save_config_callback=SaveConfigNextToLogs,
+                      save_config_kwargs={"overwrite": True}, args=args,
                       run=run, parser_kwargs={"exit_on_error": exit_on_error}, **CLI_DEFAULTS)
     finally:
+        GLMCLI._help_wanted = False
         if help_wanted:
             set_parsing_settings(docstring_parse_attribute_docstrings=False)
 

@@ -84,7 +84,8 @@ def describe(err: BaseException) -> str:
         suggestion = closest_key(full)
         line = f"unknown config key {full!r}"
         return f"{line}; did you mean {suggestion!r}?" if suggestion and suggestion != full else line
-    lines = [ln.strip(" -") for ln in text.splitlines() if ln.strip(" -")]
+    lines = [re.sub(r"^\s*-\s+", "", ln).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln]
     reasons = [ln for ln in lines if not ln.startswith(WRAPPER_LINES)]
     core = " ".join(reasons or lines)
     return " ".join(core.split())

@@ -78,7 +78,8 @@ class StageModule(pl.LightningModule):
         """
         Args:
             preset: model preset (`tiny`, `demo`, `flash-25m`; see `GLMConfig.preset`).
-            model_overrides: GLMConfig fields that differ from the preset.
+            model_overrides: GLMConfig fields that differ from the preset, e.g. `{d_model: 64, n_layers: 2}`. Fields:
+                MODEL_FIELDS
             init_weights: checkpoint of any stage with the same model config: its model weights are loaded. A stage
                 that continues an earlier one (vision, RL) refuses to train without it; `null` starts from random
                 weights on purpose.
@@ -184,6 +185,27 @@ class StageModule(pl.LightningModule):
         opt = torch.optim.AdamW(self.param_groups(), lr=self.hparams.lr, betas=tuple(self.hparams.betas))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_lambda)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def model_field_docs() -> str:
+    """`field (its docstring); ...` for every GLMConfig field, read from the attribute docstrings in config.py, so
+    `fit --help` describes every model knob under `model_overrides`."""
+    import ast
+    import inspect
+
+    from glm_lightning.model import config as config_module
+
+    body = ast.parse(inspect.getsource(config_module.GLMConfig)).body[0].body
+    parts = []
+    for node, doc in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(doc, ast.Expr) \
+                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+            parts.append(f"{node.target.id} ({' '.join(doc.value.value.split()).rstrip('.')})")
+    return "; ".join(parts) + "."
+
+
+if StageModule.__init__.__doc__:
+    StageModule.__init__.__doc__ = StageModule.__init__.__doc__.replace("MODEL_FIELDS", model_field_docs())
 
 
 def final_metrics(trainer: pl.Trainer) -> dict[str, float]:
