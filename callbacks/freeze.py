@@ -51,7 +51,7 @@ def match_parameters(names: Sequence[str], patterns: Sequence[str], what: str = 
     for pattern in patterns:
         hits = {n for n in names if fnmatchcase(n, pattern)}
         if not hits:
-            raise ValueError(f"{what} {pattern!r} matches no parameter of the module; closest: "
+            raise ValueError(f"{what} {pattern!r} matches no parameter; closest names: "
                              f"{', '.join(closest_patterns(names, pattern))}")
         matched |= hits
     return matched

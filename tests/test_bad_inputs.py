@@ -87,7 +87,7 @@ CASES = {
                                           "set `model.init_args.model_overrides: {max_seq_len: 192}`"),
     "fit: freeze pattern matches nothing": (_fit("--trainer.callbacks+=callbacks.freeze.FreezeCallback",
                                                  "--trainer.callbacks.train=[model.blocks.11.*]", config=RL_TINY),
-                                            "closest: model.blocks.1.*"),
+                                            "closest names: model.blocks.1.*"),
     "fit: continuing stage without init_weights": (_fit(config="@no_start"), "init_weights is not set"),
     # commands
     "unknown command": (["frobnicate"], "unknown command 'frobnicate'"),
