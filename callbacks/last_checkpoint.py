@@ -121,6 +121,8 @@ class LastCheckpoint(Callback):
             return
         if trainer.global_step == 0 and self._saved_step is None:
             return  # nothing trained yet
+        if self._saved_step == trainer.global_step and self.last_path == self.directory(trainer) / LAST_NAME:
+            return  # already saved at this step (e.g. the Ctrl-C stop)
         try:
             path = self.save(trainer, f"{type(exception).__name__}")
         except Exception as err:  # noqa: BLE001 - never hide the original exception behind a saving error

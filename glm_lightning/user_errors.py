@@ -21,8 +21,10 @@ WRAPPER_LINES = ("Parser key", "Does not validate", "Subtypes:", "Errors:", "Exp
 def is_user_error(err: BaseException) -> bool:
     """Errors the user can fix from the message alone (bad values, files, keys); other errors keep their traceback."""
     from jsonargparse import ArgumentError
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    return isinstance(err, (ValueError, FileNotFoundError, IsADirectoryError, ArgumentError, KeyError))
+    return isinstance(err, (ValueError, FileNotFoundError, IsADirectoryError, ArgumentError, KeyError,
+                            MisconfigurationException))
 
 
 def _signature_names(obj: object) -> set[str]:
