@@ -127,12 +127,11 @@ def run(argv: Sequence[str], out: Callable[[str], None] | None = None) -> list[t
     try:
         for task in tasks or [None]:
             prompt = args.prompt if task is None else task.prompt
-            head = "" if task is None else f"[{task.family}] "
-            write(f"=== {head}prompt ===\n{prompt}")
+            head = "prompt" if task is None else f"[{task.family}] {task.entry_point}"
             samples = []
             for k in range(args.num_samples):
-                if args.num_samples > 1:
-                    write(f"\n--- sample {k + 1}/{args.num_samples} ---\n{prompt}")
+                count = f", sample {k + 1}/{args.num_samples}" if args.num_samples > 1 else ""
+                write(f"=== {head}{count} ===\n{prompt}")
                 samples.append(stream_sample(model, prompt, args.max_new_tokens, args.temperature, generator, write,
                                              stop=completion_finished if task is not None else None))
                 write("\n")

@@ -47,7 +47,7 @@ def test_task_prompt_prints_a_verdict_per_sample(ckpt):
     assert "def " in prompt and len(samples) == len(verdicts) == 3
     printed = "".join(out)
     assert printed.count("verdict ") == 3 and all(v.status in printed for v in verdicts)
-    assert "[increment] prompt" in printed
+    assert "[increment] increment_" in printed and printed.count("sample 3/3") == 1
 
 
 def test_free_prompt_has_no_verdict(ckpt):
