@@ -9,7 +9,7 @@
           unfreeze_lr_factor: 0.1              # the new group's lr = peak lr * factor (then follows the schedule)
 
 Names are those of the LightningModule's ``named_parameters()`` (so the shared model's start with ``model.``), matched
-with :func:`fnmatch.fnmatchcase`. A pattern that matches no parameter raises ValueError, listing a few names.
+with :func:`fnmatch.fnmatchcase`. A pattern that matches no parameter raises ValueError, listing the closest names.
 
 Freezing happens in ``setup`` (``BaseFinetuning.freeze_before_training``), i.e. before ``configure_optimizers``, so
 the optimizer must be built from ``requires_grad`` parameters only (``StageModule`` does that; do not use the CLI's
@@ -24,6 +24,7 @@ Trainable/total parameter counts are printed (rank zero) and sent to the logger 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from difflib import get_close_matches
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -50,10 +51,20 @@ def match_parameters(names: Sequence[str], patterns: Sequence[str], what: str = 
     for pattern in patterns:
         hits = {n for n in names if fnmatchcase(n, pattern)}
         if not hits:
-            sample = ", ".join(list(names)[:8])
-            raise ValueError(f"{what} {pattern!r} matches no parameter of the module (names look like: {sample}, ...)")
+            raise ValueError(f"{what} {pattern!r} matches no parameter; closest names: "
+                             f"{', '.join(closest_patterns(names, pattern))}")
         matched |= hits
     return matched
+
+
+def closest_patterns(names: Sequence[str], pattern: str, n: int = 5) -> list[str]:
+    """Names (cut to the pattern's depth, with its wildcard tail) that look most like `pattern`, e.g.
+    `model.blocks.3.*` for `model.blocks.11.*` on a 4-block model."""
+    depth = pattern.count(".") + 1
+    tail = pattern.split(".")[-1] if "*" in pattern.split(".")[-1] else ""
+    cut = {".".join(n.split(".")[: depth - 1] + [tail]) if tail and n.count(".") >= depth - 1
+           else ".".join(n.split(".")[:depth]) for n in names}
+    return get_close_matches(pattern, sorted(cut), n=n, cutoff=0.0) or list(names)[:n]
 
 
 class FreezeCallback(BaseFinetuning):

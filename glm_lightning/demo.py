@@ -8,7 +8,10 @@
                             for the monitored families
     summary  one table, plus the TensorBoard command
 
-`--smoke` shrinks every stage to a few steps (used by the tests); `--max-steps N` only shortens pre-training.
+`--smoke` shrinks every stage to a few steps (used by the tests) and keeps everything it writes under
+lightning_logs/smoke/, so it never replaces a real run's checkpoints (lightning_logs/demo/*.ckpt, which the RL studies
+load). `--dry-run` checks every stage config (keys, values, preflight checks) and prints the stage commands, writing
+nothing. `--max-steps N` only shortens pre-training.
 """
 
 from __future__ import annotations
@@ -23,17 +26,21 @@ from typing import Any
 
 import torch
 
+from callbacks.last_checkpoint import LastCheckpoint
 from callbacks.regression import RegressionCallback
-from glm_lightning.stage_cli import build_cli
+from glm_lightning.stage_cli import build_cli, check_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STAGE_CONFIGS = {"pretrain": ("pretrain.yaml", "demo/pretrain.yaml"), "vision": ("vision.yaml", "demo/vision.yaml"),
                  "rl": ("rl.yaml", "demo/rl.yaml")}
 """Each demo stage: the stage config plus the demo overlay holding only the differences (the `demo` model preset,
 shorter runs, the demo's families)."""
-STABLE = Path("lightning_logs") / "demo"
+ROOT = Path("lightning_logs")
+SMOKE_ROOT = ROOT / "smoke"
+"""Where each demo run writes (logs, checkpoints, stable copies): `--smoke` runs never touch a real run's files."""
+STABLE = ROOT / "demo"
 """Each stage's final checkpoint is also copied here as pretrain.ckpt / vision.ckpt / rl.ckpt (stable names that
-the RL studies in configs/experiments/ start from)."""
+the RL studies in configs/experiments/ start from); a smoke run's copies go to lightning_logs/smoke/demo/."""
 
 SMOKE = {
     "pretrain": ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--data.init_args.num_examples",
@@ -63,16 +70,31 @@ def _scalars(results: list[dict[str, Any]] | dict[str, Any]) -> dict[str, float]
     return out
 
 
+def stage_args(stage: str, extra: list[str]) -> list[str]:
+    """The stage CLI arguments: the stage config, the demo overlay, then the run's own arguments."""
+    return [*(arg for name in STAGE_CONFIGS[stage] for arg in ("--config", str(CONFIGS / name))), *extra]
+
+
 def _cli(stage: str, extra: list[str]) -> Any:
-    configs = [arg for name in STAGE_CONFIGS[stage] for arg in ("--config", str(CONFIGS / name))]
-    return build_cli([*configs, *extra], run=False)
+    return build_cli(stage_args(stage, extra), run=False)
+
+
+def _last_checkpoint(trainer: Any) -> str | None:
+    """The run's always-current last.ckpt (written at the end of training by `LastCheckpoint`)."""
+    cb = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
+    return str(cb.last_path) if cb is not None and cb.last_path is not None else None
+
+
+def root_args(root: Path, stage: str) -> list[str]:
+    """Send a stage's logs and checkpoints under `root` (the smoke run's own folder, or lightning_logs)."""
+    return ["--trainer.logger.init_args.save_dir", str(root), "--trainer.default_root_dir", str(root / stage)]
 
 
 def pretrain(extra: list[str]) -> StageResult:
     t = time.perf_counter()
     cli = _cli("pretrain", extra)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    res = StageResult("pre-training", checkpoint=cli.trainer.checkpoint_callback.last_model_path or None)
+    res = StageResult("pre-training", checkpoint=_last_checkpoint(cli.trainer))
     res.metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
     res.seconds = time.perf_counter() - t
     return res
@@ -91,7 +113,7 @@ def vision(checkpoint: str, extra: list[str], pretrain_extra: list[str]) -> Stag
     cli = _cli("vision", [*extra, "--model.init_args.init_weights", checkpoint])
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     test = _scalars(cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False))
-    res = StageResult("vision", checkpoint=cli.trainer.checkpoint_callback.last_model_path or None, metrics=test)
+    res = StageResult("vision", checkpoint=_last_checkpoint(cli.trainer), metrics=test)
     res.extra["text_dev_pass_after"] = text_dev_pass(res.checkpoint, pretrain_extra) if res.checkpoint else {}
     res.seconds = time.perf_counter() - t
     return res
@@ -103,7 +125,7 @@ def rl(checkpoint: str, extra: list[str]) -> StageResult:
     before = _scalars(cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False))
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     after = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
-    res = StageResult("RL", checkpoint=cli.trainer.checkpoint_callback.last_model_path or None, metrics=after)
+    res = StageResult("RL", checkpoint=_last_checkpoint(cli.trainer), metrics=after)
     res.extra["before"] = before
     regression = next((cb for cb in cli.trainer.callbacks if isinstance(cb, RegressionCallback)), None)
     res.extra["regression"] = regression.history[-1] if regression is not None and regression.history else None
@@ -111,19 +133,19 @@ def rl(checkpoint: str, extra: list[str]) -> StageResult:
     return res
 
 
-def keep_copy(checkpoint: str | None, name: str) -> Path | None:
-    """Copy a checkpoint to lightning_logs/demo/<name>.ckpt atomically (a reader never sees a half-written file)."""
+def keep_copy(checkpoint: str | None, name: str, stable: Path = STABLE) -> Path | None:
+    """Copy a checkpoint to <stable>/<name>.ckpt atomically (a reader never sees a half-written file)."""
     if not checkpoint:
         return None
-    STABLE.mkdir(parents=True, exist_ok=True)
-    dest = STABLE / f"{name}.ckpt"
+    stable.mkdir(parents=True, exist_ok=True)
+    dest = stable / f"{name}.ckpt"
     tmp = dest.with_suffix(".ckpt.tmp")
     shutil.copyfile(checkpoint, tmp)
     os.replace(tmp, dest)
     return dest
 
 
-def summary(stages: list[StageResult]) -> str:
+def summary(stages: list[StageResult], stable: Path = STABLE) -> str:
     """The demo's closing table (plain text, one metric per line)."""
     lines = ["", "== glm-lightning demo summary ==", f"{'stage':<14}{'metric':<44}{'value':>12}"]
 
@@ -163,7 +185,7 @@ def summary(stages: list[StageResult]) -> str:
                     row("RL", f"monitor {fam}: greedy {r['baseline_greedy']:.2f} -> {r['current_greedy']:.2f}",
                         r["verdict"] if r["verdict"] != "no significant change" else "no sig. change")
     lines += ["", *[f"checkpoint ({s.name}): {s.checkpoint}" for s in stages if s.checkpoint],
-              f"stable copies: {STABLE}/{{pretrain,vision,rl}}.ckpt",
+              f"stable copies: {stable}/{{pretrain,vision,rl}}.ckpt",
               "dashboards: tensorboard --logdir lightning_logs"]
     return "\n".join(lines)
 
@@ -172,7 +194,10 @@ def main(argv: list[str] | None = None) -> list[StageResult]:
     p = argparse.ArgumentParser(prog="python -m glm_lightning demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-steps", type=int, default=None, help="override the pre-training steps")
-    p.add_argument("--smoke", action="store_true", help="a few steps per stage (tests)")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"a few steps per stage (tests); writes only under {SMOKE_ROOT}/")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check every stage config and print the stage commands; train nothing, write nothing")
     p.add_argument("--stages", default="pretrain,vision,rl", help="comma-separated prefix of the chain to run")
     args = p.parse_args(argv)
     stages_wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -180,17 +205,37 @@ def main(argv: list[str] | None = None) -> list[StageResult]:
     if not stages_wanted or stages_wanted != chain[: len(stages_wanted)]:
         raise SystemExit(f"--stages must be a prefix of {','.join(chain)} (each stage needs the previous checkpoint)")
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    root = SMOKE_ROOT if args.smoke else ROOT
+    stable = root / "demo"
     ex = {k: list(v) for k, v in SMOKE.items()} if args.smoke else {k: [] for k in SMOKE}
     if args.max_steps is not None:
         ex["pretrain"] += ["--trainer.max_steps", str(args.max_steps),
                            "--trainer.val_check_interval", str(max(1, args.max_steps))]
+    for stage in ex:
+        ex[stage] += root_args(root, stage)
+    if args.dry_run:
+        dry_run(stages_wanted, ex, stable)
+        return []
     results = [pretrain(ex["pretrain"])]
-    keep_copy(results[-1].checkpoint, "pretrain")
+    keep_copy(results[-1].checkpoint, "pretrain", stable)
     if "vision" in stages_wanted:
         results.append(vision(results[-1].checkpoint, ex["vision"], ex["pretrain"]))
-        keep_copy(results[-1].checkpoint, "vision")
+        keep_copy(results[-1].checkpoint, "vision", stable)
     if "rl" in stages_wanted:
         results.append(rl(results[-1].checkpoint, ex["rl"]))
-        keep_copy(results[-1].checkpoint, "rl")
-    print(summary(results))
+        keep_copy(results[-1].checkpoint, "rl", stable)
+    print(summary(results, stable))
     return results
+
+
+def dry_run(stages: list[str], extra: dict[str, list[str]], stable: Path) -> None:
+    """Check each stage's config as the demo would run it (the start weights do not exist yet, so the check uses
+    `init_weights: null`) and print the equivalent commands."""
+    previous = {"vision": "pretrain", "rl": "vision"}
+    for stage in stages:
+        start = ["--model.init_args.init_weights", str(stable / f"{previous[stage]}.ckpt")] if stage in previous else []
+        random_start = ["--model.init_args.init_weights", "null"] if start else []
+        check_config(stage_args(stage, [*extra[stage], *random_start]))
+        command = " ".join(stage_args(stage, [*extra[stage], *start]))
+        print(f"[demo] {stage}: config OK\n  python -m glm_lightning fit {command}")
+    print("[demo] dry run: every stage config checked; nothing was trained or written")

@@ -4,6 +4,11 @@ validator and `tests/test_configs.py`, so a misspelt key fails before any run).
 
 Every LightningModule / DataModule / callback of the project is imported here so configs may name them by class
 name (`class_path: PretrainModule`); any LightningModule or LightningDataModule is accepted (subclass mode).
+
+Every run also gets two callbacks whatever its config says (their settings sit under `last_checkpoint:` and
+`preflight:`): `LastCheckpoint` keeps `checkpoints/last.ckpt` current (step schedule, end, Ctrl-C, SIGTERM, errors)
+and `Preflight` refuses, before the first step, configs that would fail or mislead later. Resuming with
+`--ckpt_path <log dir>/checkpoints/last.ckpt` continues in that same log directory (TensorBoard curves continue).
 """
 
 from __future__ import annotations
@@ -12,15 +17,18 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
 
 import lightning.pytorch as pl  # noqa: E402
 from jsonargparse import set_parsing_settings  # noqa: E402
-from lightning.pytorch.cli import ArgsType, LightningCLI  # noqa: E402
+from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback  # noqa: E402
 
 import callbacks  # noqa: E402,F401  (registers callbacks for class_path lookup)
+from callbacks.last_checkpoint import LastCheckpoint  # noqa: E402
+from callbacks.preflight import Preflight, check_run  # noqa: E402
 import datamodules  # noqa: E402,F401
 import glm_lightning.modules  # noqa: E402,F401
 
@@ -28,8 +36,91 @@ CLI_DEFAULTS: dict[str, Any] = {"subclass_mode_model": True, "subclass_mode_data
                                 "seed_everything_default": 0, "auto_configure_optimizers": False}
 
 
+class SaveConfigNextToLogs(SaveConfigCallback):
+    """Writes config.yaml into the run's log directory; a run without a logger has none, and writes nothing (instead
+    of a stray config.yaml in the working directory, e.g. the repository root)."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.logger is None:
+            return
+        super().setup(trainer, pl_module, stage)
+
+
 class GLMCLI(LightningCLI):
-    """LightningCLI with project defaults: seed 0, config saved next to the logs (overwritten on re-runs)."""
+    """LightningCLI with project defaults: seed 0, config saved next to the logs (overwritten on re-runs), the
+    always-on `LastCheckpoint` and `Preflight` callbacks, resume into the checkpoint's own log directory."""
+
+    _help_wanted = False
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_lightning_class_args(LastCheckpoint, "last_checkpoint")
+        parser.add_lightning_class_args(Preflight, "preflight")
+        if self._help_wanted:
+            parser.epilog = knobs_help()
+            parser.formatter_class = _RawEpilogFormatter(parser.formatter_class)
+
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        if config is not None and config.get("ckpt_path"):
+            resume_into_same_run(config)
+
+
+def resume_into_same_run(config: Any) -> None:
+    """When `ckpt_path` is `<save_dir>/<name>/version_K/checkpoints/*.ckpt` of this config's TensorBoard logger
+    (and no version is set), log into version_K again instead of a new version_K+1."""
+    logger = config.get("trainer", {}).get("logger")
+    if not hasattr(logger, "get") or "TensorBoardLogger" not in str(logger.get("class_path", "")):
+        return
+    init = logger.get("init_args")
+    if init is None or init.get("version") is not None:
+        return
+    ckpt = Path(str(config["ckpt_path"])).resolve()
+    run_dir = ckpt.parent.parent
+    name = init.get("name")
+    expected = Path(str(init.get("save_dir", "lightning_logs")), *(() if name in (None, "") else (str(name),)))
+    if ckpt.parent.name == "checkpoints" and run_dir.name.startswith("version_") and \
+            run_dir.parent == expected.resolve():
+        init["version"] = run_dir.name
+
+
+def _RawEpilogFormatter(base: Any) -> Any:  # noqa: N802 - a class factory
+    class Formatter(base):
+        def _fill_text(self, text: str, width: int, indent: str) -> str:
+            return text  # keep the knob list's line breaks
+
+    return Formatter
+
+
+def knobs_help() -> str:
+    """Every model and data knob of the project's stages and datamodules, with its docstring, for `fit --help`
+    (in subclass mode LightningCLI lists them only per class, with `--model.help CLASS`)."""
+    import inspect
+    import textwrap
+
+    import docstring_parser
+
+    from datamodules import CodeCorpusDataModule, DigitsDataModule, RLPromptDataModule
+    from glm_lightning.modules import PretrainModule, RLModule, StageModule, VisionModule
+
+    out = ["model and data knobs (set them with --model.init_args.KEY / --data.init_args.KEY, or in YAML):"]
+    for section, classes in (("model", (PretrainModule, VisionModule, RLModule, StageModule)),
+                             ("data", (CodeCorpusDataModule, DigitsDataModule, RLPromptDataModule))):
+        for cls in classes:
+            shared = " (every stage)" if cls is StageModule else ""
+            out.append(f"\n  {section}: {cls.__module__}.{cls.__name__}{shared}")
+            docs = {p.arg_name: p.description for doc in (cls.__doc__, cls.__init__.__doc__)
+                    for p in docstring_parser.parse(doc or "").params}
+            for name in inspect.signature(cls.__init__).parameters:
+                if name in ("self", "kwargs", "args") or (cls is not StageModule and name in SHARED_STAGE_ARGS):
+                    continue
+                text = " ".join((docs.get(name) or "(no description)").split())
+                out.append(textwrap.fill(f"{name}: {text}", width=118, initial_indent="    ",
+                                         subsequent_indent="        "))
+    return "\n".join(out)
+
+
+SHARED_STAGE_ARGS = ("preset", "model_overrides", "lr", "min_lr_ratio", "weight_decay", "betas", "warmup_steps")
 
 
 def _wants_help(args: ArgsType) -> bool:
@@ -37,17 +128,21 @@ def _wants_help(args: ArgsType) -> bool:
     return isinstance(argv, list) and any(a in ("-h", "--help") or str(a).endswith(".help") for a in argv)
 
 
-def build_cli(args: ArgsType = None, run: bool = True) -> GLMCLI:
-    """The stage CLI; `args=None` reads sys.argv, `run=False` only builds the trainer, model and data."""
+def build_cli(args: ArgsType = None, run: bool = True, exit_on_error: bool = True) -> GLMCLI:
+    """The stage CLI; `args=None` reads sys.argv, `run=False` only builds the trainer, model and data;
+    `exit_on_error=False` raises parse errors (for `cli.run`'s one-line messages) instead of printing the usage."""
     # settings dataclasses (e.g. RLModule's `sampling`) document their fields in attribute docstrings; parsing those
     # makes every parse ~5x slower, so only --help pays for it
     help_wanted = _wants_help(args)
     if help_wanted:
         set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    GLMCLI._help_wanted = help_wanted
     try:
-        return GLMCLI(pl.LightningModule, pl.LightningDataModule, save_config_kwargs={"overwrite": True}, args=args,
-                      run=run, **CLI_DEFAULTS)
+        return GLMCLI(pl.LightningModule, pl.LightningDataModule, save_config_callback=SaveConfigNextToLogs,
+                      save_config_kwargs={"overwrite": True}, args=args,
+                      run=run, parser_kwargs={"exit_on_error": exit_on_error}, **CLI_DEFAULTS)
     finally:
+        GLMCLI._help_wanted = False
         if help_wanted:
             set_parsing_settings(docstring_parse_attribute_docstrings=False)
 
@@ -79,13 +174,14 @@ def _checker() -> Callable[[list[str]], None]:
         cfg = cli.parser.parse_args(args)
         cli.config = cfg  # the module instantiators dump cli.config into the modules' hparams
         cli.__dict__.pop("config_dump", None)
-        cli.parser.instantiate_classes(cfg)
+        init = cli.parser.instantiate_classes(cfg)
+        check_run(init.get("model"), init.get("data"), list(init.get("trainer", {}).get("callbacks") or []))
 
     return check
 
 
 def check_config(args: Sequence[str]) -> None:
     """Parse stage arguments (e.g. `["--config", "configs/rl.yaml", "--trainer.max_steps=3"]`) with the real CLI
-    parser (built once per process) and instantiate model, data, logger and callbacks, never the Trainer; raises on a
-    bad key or value."""
+    parser (built once per process) and instantiate model, data, logger and callbacks, never the Trainer, then run the
+    preflight checks (`callbacks.preflight.check_run`); raises on a bad key or value."""
     _checker()(list(args))

@@ -54,3 +54,20 @@ def test_help_shows_the_settings_dataclasses_attribute_docstrings(capsys):
         main(["fit", "--model.help", "glm_lightning.modules.rl.RLModule"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--model.sampling.temperature" in text and "also the temperature of the trained policy" in text
+
+
+def test_config_time_checks_name_the_keys_to_change(tmp_path, monkeypatch):
+    """A freeze pattern for a block the preset does not have, or a monitor the run never logs, fails when the config
+    is checked (sweep validation, demo --dry-run), not after training."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"'model.blocks.11.\*' matches no parameter; closest names: model.blocks"):
+        check_config(["--config", str(CONFIGS / "rl.yaml"), "--model.init_args.preset", "tiny"])
+    with pytest.raises(ValueError, match="model.init_args.dev_eval is false"):
+        check_config(["--config", str(CONFIGS / "pretrain.yaml"), "--model.init_args.dev_eval", "false"])
+
+
+def test_continuing_stages_print_that_init_weights_is_required(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(CONFIGS / "rl.yaml"), "--print_config"])
+    init_args = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
+    assert init_args["init_weights"].startswith("required")

@@ -30,9 +30,31 @@ def test_demo_smoke_chains_all_stages(tmp_path, monkeypatch, capsys):
     assert "val/pass@1/rewarded" in rl.extra["before"] and "val/pass@1/rewarded" in rl.metrics
     assert rl.extra["regression"]["families"], "regression verdicts for the monitored families"
     for name in ("pretrain", "vision", "rl"):
-        assert (tmp_path / "lightning_logs" / "demo" / f"{name}.ckpt").is_file()
+        assert (tmp_path / "lightning_logs" / "smoke" / "demo" / f"{name}.ckpt").is_file()
+    # a smoke run never replaces a real run's results, and writes nothing outside lightning_logs/smoke
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lightning_logs"]
+    assert sorted(p.name for p in (tmp_path / "lightning_logs").iterdir()) == ["smoke"]
     out = capsys.readouterr().out
     assert "demo summary" in out and "test/acc" in out and "pass@8 rewarded" in out and "tensorboard --logdir" in out
+
+
+def test_dry_run_checks_every_stage_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--dry-run"]) == []
+    out = capsys.readouterr().out
+    assert [s for s in ("pretrain", "vision", "rl") if f"[demo] {s}: config OK" in out] == ["pretrain", "vision", "rl"]
+    assert "--model.init_args.init_weights lightning_logs/demo/pretrain.ckpt" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dry_run_fails_on_a_broken_stage_config(tmp_path, monkeypatch):
+    import glm_lightning.demo as demo
+
+    bad = tmp_path / "rl_overlay.yaml"
+    bad.write_text("model:\n  init_args:\n    lrr: 0.1\n")
+    monkeypatch.setitem(demo.STAGE_CONFIGS, "rl", ("rl.yaml", str(bad)))
+    with pytest.raises(Exception, match="lrr"):
+        main(["--dry-run"])
 
 
 def test_demo_rejects_a_broken_chain():
@@ -47,9 +69,13 @@ def test_rl_studies_start_from_the_demo_checkpoint(tmp_path, monkeypatch, capsys
 
     from glm_lightning.sweep.cli import run_sweep
 
+    import shutil
+
     monkeypatch.chdir(tmp_path)
     main(["--smoke", "--stages", "pretrain"])
-    assert (tmp_path / "lightning_logs" / "demo" / "pretrain.ckpt").is_file()
+    assert not (tmp_path / "lightning_logs" / "demo").exists()
+    (tmp_path / "lightning_logs" / "demo").mkdir()
+    shutil.copy(tmp_path / "lightning_logs" / "smoke" / "demo" / "pretrain.ckpt", tmp_path / "lightning_logs" / "demo")
     experiments = Path(__file__).resolve().parent.parent / "configs" / "experiments"
     studies = sorted(experiments.glob("rl_*.yaml"))
     assert [p.stem for p in studies] == ["rl_group_size", "rl_invalid_penalty", "rl_reward", "rl_temperature"]

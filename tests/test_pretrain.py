@@ -71,3 +71,28 @@ def test_print_config_shows_full_config(capsys):
 def test_bad_data_config_fails_before_training(tmp_path):
     with pytest.raises(ValueError, match="unknown ordering"):
         main(["fit", "--config", CONF, "--trainer.fast_dev_run", "1", "--data.init_args.ordering", "sideways"])
+
+
+def test_dev_samples_rotate_over_every_family():
+    from glm_lightning.modules.pretrain import rotating_sample
+
+    families = ["a"] * 3 + ["b"] * 3 + ["c"] * 3 + ["d"] * 3 + ["e"] * 3
+    items = [f"{f}{i % 3}" for i, f in enumerate(families)]
+    seen_families, seen_items = set(), set()
+    for round_ in range(3):
+        picked = rotating_sample(items, families, 2, round_)
+        assert len(picked) == 2 and len({p[0] for p in picked}) == 2  # two different families per table
+        seen_families |= {p[0] for p in picked}
+        seen_items |= set(picked)
+    assert seen_families == set("abcde")  # 5 families with 2 rows: all shown within 3 validations
+    assert len(seen_items) == 6
+    assert {p[0] for p in rotating_sample(items, families, 8, 0)} == set("abcde")
+    assert rotating_sample(items[:2], families[:2], 8, 0) == items[:2]
+
+
+def test_expert_balance_is_logged_at_every_logging_step(tmp_path):
+    main(["fit", "--config", CONF, "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.max_steps", "4",
+          "--model.init_args.dev_eval", "false", "--trainer.limit_val_batches", "0"])
+    scalars, _ = _scalars(tmp_path / "test" / "version_0")
+    series = scalars["experts/max_over_mean_layer0"]
+    assert len(series) == 4 and len(set(series)) > 1, series  # current each step, not a value from step 0

@@ -251,3 +251,95 @@ def test_ray_backend(tmp_path):
                          "--backend", "ray"], log=_quiet)
     assert [r.status for r in outcome.results] == ["done", "done"]
     assert (tmp_path / "sweep_tiny" / "REPORT.md").is_file()
+
+
+# --- stopping, resuming, settings for every run ----------------------------------------------------------------------
+def test_set_overrides_a_key_for_every_run(tmp_path, capsys):
+    run_sweep(["--config", str(STUDY), "--out", str(tmp_path), "--dry-run", "--set", "trainer.max_steps=7",
+               "--set", "model.init_args.lr=0.001"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[todo]")]
+    assert len(lines) == 4 and all("--trainer.max_steps=7" in ln and "--model.init_args.lr=0.001" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("setting, message", [("trainer.max_steps", "KEY=VALUE"),
+                                              ("data.init_args.ordering=blocked", "varies"),
+                                              ("trainer.max_stepz=3", "max_stepz")])
+def test_bad_settings_fail_before_running(tmp_path, setting, message):
+    with pytest.raises(Exception, match=message):
+        run_sweep(["--config", str(STUDY), "--out", str(tmp_path), "--set", setting], log=_quiet)
+    assert not (tmp_path / "sweep_tiny").exists()
+
+
+def test_n_boot_is_deprecated_with_a_message(tmp_path):
+    said = []
+    run_sweep(["--config", str(STUDY), "--out", str(tmp_path), "--dry-run", "--n-boot", "100"], log=said.append)
+    assert any("--n-boot is ignored" in line for line in said)
+
+
+def test_a_finished_run_of_other_settings_is_moved_aside_not_deleted(tiny_sweep, tmp_path):
+    from glm_lightning.sweep.runner import prepare_run_dir
+
+    _, out = tiny_sweep
+    dest = _copy_runs(out, tmp_path)
+    spec = plan_runs(load_study(STUDY).with_settings({"trainer.max_steps": 4}), dest)[0]
+    done = (spec.run_dir / "DONE.json").read_text()
+    assert prepare_run_dir(spec, log=_quiet) == []
+    aside = spec.run_dir.with_name(spec.run_dir.name + ".old-1")
+    assert (aside / "DONE.json").read_text() == done and (spec.run_dir / "RUN.json").is_file()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_stopping_the_driver_stops_its_runs_and_a_rerun_resumes(tmp_path):
+    """SIGTERM to the driver while its second run trains: that run saves last.ckpt and stops, the finished run is
+    untouched, and the same command resumes the stopped run from its checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from glm_lightning.sweep.runner import run_env
+
+    args = ["--config", str(STUDY), "--out", str(tmp_path), "--workers", "1", "--seeds", "1",
+            "--set", "trainer.max_steps=400", "--set", "trainer.enable_checkpointing=true",
+            "--set", "last_checkpoint.every_n_train_steps=1", "--set", "trainer.val_check_interval=400"]
+    driver = subprocess.Popen([sys.executable, "-m", "glm_lightning", "sweep", *args], env=run_env(1),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    first, second = (tmp_path / "sweep_tiny" / v / "seed0" for v in ("blocked", "interleaved"))
+    deadline = time.monotonic() + 300
+    # wait (bounded) until the first run is done and the second has trained a few steps
+    while not ((first / "DONE.json").is_file() and (second / "checkpoints" / "last.ckpt").is_file()):
+        assert driver.poll() is None and time.monotonic() < deadline, driver.stderr.read().decode()[-2000:]
+        time.sleep(0.2)
+    runs = _children(driver.pid)
+    assert runs, "the second run is a child of the driver"
+    done_before = (first / "DONE.json").read_text()
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(timeout=120) == 130
+    assert not [pid for pid in runs if Path(f"/proc/{pid}").exists()], "the driver's runs stopped with it"
+    assert (first / "DONE.json").read_text() == done_before and not (second / "DONE.json").exists()
+    stopped_at = torch_load_step(second / "checkpoints" / "last.ckpt")
+    assert 0 < stopped_at < 400
+    # the same command resumes the stopped run from its checkpoint
+    outcome = run_sweep(args, log=_quiet)
+    assert [r.status for r in outcome.results] == ["skipped", "done"]
+    assert "--ckpt_path" in (second / "command.txt").read_text().splitlines()[-1]
+    assert (first / "DONE.json").read_text() == done_before
+    assert torch_load_step(second / "checkpoints" / "last.ckpt") == 400
+
+
+def torch_load_step(path: Path) -> int:
+    import torch
+
+    return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])

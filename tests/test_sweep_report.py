@@ -83,10 +83,10 @@ def test_every_median_is_named(tmp_path):
 
 
 def test_metric_bounds_and_clip():
-    acc = Metric("val/completion_acc", scale=100, unit="points")
+    acc = Metric("val/completion_acc", scale=100, unit="points", bounds=(0.0, 1.0))
     assert metric_bounds(acc, [0.2, 0.9]) == (0.0, 1.0)
-    assert metric_bounds(acc, [0.2, 1.5]) is None  # not actually a rate: do not clip
-    assert metric_bounds(Metric("val/pass@1/rewarded"), [0.5]) == (0.0, 1.0)
+    assert metric_bounds(acc, [0.2, 1.5]) is None  # a value outside the declared range: do not clip
+    assert metric_bounds(Metric("val/pass@1/rewarded"), [0.5]) is None  # undeclared: no guessing from the name
     assert metric_bounds(Metric("val/loss", higher_is_better=False), [0.5]) is None
     assert clip(1.07, (0.0, 1.0)) == 1.0 and clip(-0.1, (0.0, 1.0)) == 0.0 and clip(0.3, None) == 0.3
     assert math.isnan(clip(math.nan, (0.0, 1.0)))

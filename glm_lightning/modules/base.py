@@ -3,10 +3,14 @@
 - builds the model from a preset name plus field overrides (`--model.init_args.model_overrides '{d_model: 64}'`);
 - optionally loads only the model weights (and checks the config) from an earlier stage's checkpoint
   (`init_weights`), since `--ckpt_path` resumes the *same* stage; the checkpoint is read once, and a stage adds its
-  own parts through two hooks (`build_stage` before the weights load, `load_stage_weights` with the checkpoint);
+  own parts through two hooks (`build_stage` before the weights load, `load_stage_weights` with the checkpoint).
+  Every stage but pre-training (`starts_from_scratch`) must be told where its weights come from: a run without
+  `init_weights` fails before its first step (`check_start_weights`) unless `init_weights: null` says on purpose that
+  training starts from random weights;
 - AdamW with weight-decay exclusions (norms, biases, embeddings, gates, mHC and KDA gate parameters), linear
   warm-up and cosine decay to `min_lr_ratio * lr`, built from trainable parameters only (so freezing callbacks work);
-- the sandboxed verifier of stages that score code (`verifier_settings`), started on first use, closed at teardown.
+- the sandboxed verifier of stages that score code (`verifier_settings`), started on first use, closed at teardown;
+- at the end of fit, the run's hyperparameters with its final metrics (TensorBoard HPARAMS, `<log dir>/hparams`).
 
 The shared arguments are declared here once; stages take `**kwargs` and forward them, and LightningCLI still lists
 them under each stage (`--print_config`, `--help`), because jsonargparse follows the `super().__init__(**kwargs)`.
@@ -24,6 +28,9 @@ import torch
 from glm_lightning.evaluation import VerifierSettings
 from glm_lightning.model import GLMConfig, GLMModel
 
+INIT_WEIGHTS_REQUIRED = "required: a checkpoint path, or null for random weights"
+"""Default of `init_weights` for stages that continue an earlier stage (vision, RL): not a path, a reminder."""
+
 NO_DECAY_MARKERS = ("bias", "norm", "embed", "A_log", "dt_bias", "alpha", "phi", "router")
 
 
@@ -37,8 +44,11 @@ def read_checkpoint(path: str | Path) -> tuple[GLMConfig, dict[str, torch.Tensor
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if "glm_config" not in ckpt:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - pickle/zip errors of a file that is no checkpoint at all
+        raise ValueError(f"{path} is not a checkpoint (torch.load failed: {type(err).__name__})") from None
+    if not isinstance(ckpt, dict) or "glm_config" not in ckpt:
         raise ValueError(f"{path} is not a glm-lightning checkpoint (no 'glm_config' entry)")
     state = ckpt.get("state_dict", ckpt.get("model_state_dict", {}))
     model_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
@@ -51,11 +61,14 @@ class StageModule(pl.LightningModule):
     verifier_settings: VerifierSettings | None = None
     """Set by stages that score code (pre-training's dev pass, RL); evaluation callbacks then share their verifier."""
 
+    starts_from_scratch: bool = False
+    """True for stages meant to start from random weights (pre-training); others need `init_weights`."""
+
     def __init__(
         self,
         preset: str = "flash-25m",
         model_overrides: dict[str, Any] | None = None,
-        init_weights: str | None = None,
+        init_weights: str | None = INIT_WEIGHTS_REQUIRED,
         lr: float = 3e-3,
         min_lr_ratio: float = 0.1,
         weight_decay: float = 0.1,
@@ -65,8 +78,11 @@ class StageModule(pl.LightningModule):
         """
         Args:
             preset: model preset (`tiny`, `demo`, `flash-25m`; see `GLMConfig.preset`).
-            model_overrides: GLMConfig fields that differ from the preset.
-            init_weights: checkpoint of any stage with the same model config: its model weights are loaded.
+            model_overrides: GLMConfig fields that differ from the preset, e.g. `{d_model: 64, n_layers: 2}`. Fields:
+                MODEL_FIELDS
+            init_weights: checkpoint of any stage with the same model config: its model weights are loaded. A stage
+                that continues an earlier one (vision, RL) refuses to train without it; `null` starts from random
+                weights on purpose.
             lr: peak learning rate (AdamW).
             min_lr_ratio: cosine decay ends at min_lr_ratio * lr (1 = constant).
             weight_decay: AdamW weight decay (not applied to norms, biases, embeddings, gates, routers).
@@ -81,8 +97,21 @@ class StageModule(pl.LightningModule):
         self.glm_config = GLMConfig.preset(preset, **(model_overrides or {}))
         self.model = GLMModel(self.glm_config)
         self.build_stage()
-        if init_weights:
+        if init_weights and init_weights != INIT_WEIGHTS_REQUIRED:
             self.load_model_weights(init_weights)
+
+    def check_start_weights(self) -> None:
+        """Refuse to train or evaluate a continuing stage that was not told where its weights come from."""
+        if self.hparams.get("init_weights") == INIT_WEIGHTS_REQUIRED and not self.starts_from_scratch:
+            raise ValueError(
+                f"{type(self).__name__} continues an earlier stage but model.init_args.init_weights is not set: set it "
+                "to that stage's checkpoint (e.g. lightning_logs/demo/pretrain.ckpt), or to null to start from "
+                "random weights on purpose")
+
+    def promised_metrics(self, datamodule: Any) -> list[str] | None:
+        """Glob patterns of every metric key this stage logs with `datamodule` (None: not declared). The preflight
+        check refuses a checkpoint/early-stopping monitor outside them before training starts."""
+        return None
 
     # --- hooks for a stage's own parts ---------------------------------------------------------------------------
     def build_stage(self) -> None:
@@ -128,6 +157,10 @@ class StageModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["glm_config"] = self.glm_config.to_dict()
 
+    # --- dashboards ---------------------------------------------------------------------------------------------
+    def on_fit_end(self) -> None:
+        log_final_hparams(self.trainer, dict(self.hparams))
+
     # --- optimisation -------------------------------------------------------------------------------------------
     def param_groups(self) -> list[dict[str, Any]]:
         decay, no_decay = [], []
@@ -152,3 +185,58 @@ class StageModule(pl.LightningModule):
         opt = torch.optim.AdamW(self.param_groups(), lr=self.hparams.lr, betas=tuple(self.hparams.betas))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_lambda)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def model_field_docs() -> str:
+    """`field (its docstring); ...` for every GLMConfig field, read from the attribute docstrings in config.py, so
+    `fit --help` describes every model knob under `model_overrides`."""
+    import ast
+    import inspect
+
+    from glm_lightning.model import config as config_module
+
+    body = ast.parse(inspect.getsource(config_module.GLMConfig)).body[0].body
+    parts = []
+    for node, doc in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(doc, ast.Expr) \
+                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+            parts.append(f"{node.target.id} ({' '.join(doc.value.value.split()).rstrip('.')})")
+    return "; ".join(parts) + "."
+
+
+if StageModule.__init__.__doc__:
+    StageModule.__init__.__doc__ = StageModule.__init__.__doc__.replace("MODEL_FIELDS", model_field_docs())
+
+
+def final_metrics(trainer: pl.Trainer) -> dict[str, float]:
+    """The run's last value of every scalar metric (what `trainer.callback_metrics` holds at the end)."""
+    out = {}
+    for key, value in trainer.callback_metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and torch.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+def log_final_hparams(trainer: pl.Trainer, hparams: dict[str, Any]) -> Path | None:
+    """TensorBoard HPARAMS entry of a single run: its hyperparameters with its final metrics (as `hparams/<key>`
+    scalars in `<log dir>/hparams`, so the run's own curves get no extra points)."""
+    from lightning.fabric.utilities.logger import _convert_params, _flatten_dict, _sanitize_params
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+    logger = trainer.logger
+    metrics = final_metrics(trainer)
+    if trainer.global_rank != 0 or not isinstance(logger, TensorBoardLogger) or not metrics or trainer.fast_dev_run:
+        return None
+    params = _sanitize_params(_flatten_dict(_convert_params({k: v for k, v in hparams.items()
+                                                              if not k.startswith("_")})))
+    params = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in params.items()}
+    out = Path(logger.log_dir) / "hparams"
+    tagged = {f"hparams/{k}": v for k, v in metrics.items()}
+    with SummaryWriter(str(out)) as writer:
+        for summary in hparams_summaries(params, tagged):
+            writer._get_file_writer().add_summary(summary)
+        for tag, value in tagged.items():
+            writer.add_scalar(tag, value, trainer.global_step)
+    return out

@@ -4,12 +4,18 @@ loss = cross-entropy over non-pad targets + the model's aux_loss (MoE balance + 
 optimizer step the MoE selection biases take one aux-loss-free balancing step. Validation reports loss,
 bits-per-byte and teacher-forced accuracy over completion bytes; on function corpora it also generates greedy
 completions for held-out task identities and runs them in the sandboxed verifier (`val/dev_pass`, per family).
+
+Dashboards: `train/tokens_seen` continues across a resume (it is saved in the checkpoint), the per-layer
+`experts/max_over_mean_layer{i}` is logged every logging step (the histograms every `expert_histogram_every_n_steps`),
+and the dev-sample table rotates over all task families from one validation to the next.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,8 +31,11 @@ IGNORE = -100
 class PretrainModule(StageModule):
     """Pre-training stage. Batches: `input_ids`, `targets` (-100 = ignore), `completion_mask` [B, T]."""
 
+    starts_from_scratch = True
+
     def __init__(
         self,
+        init_weights: str | None = None,
         dev_eval: bool = True,
         dev_max_new_tokens: int = 48,
         verifier: VerifierSettings = VerifierSettings(),  # noqa: B008 - frozen dataclass
@@ -36,6 +45,7 @@ class PretrainModule(StageModule):
     ) -> None:
         """
         Args:
+            init_weights: checkpoint whose model weights to start from (default: random weights).
             dev_eval: at each validation, generate greedy completions of the datamodule's dev tasks and verify them.
             dev_max_new_tokens: completion budget of that evaluation.
             verifier: sandboxed verifier settings.
@@ -43,12 +53,35 @@ class PretrainModule(StageModule):
             expert_histogram_every_n_steps: period of the per-layer expert-load histograms (0 = never).
             **kwargs: the shared stage arguments (`StageModule`: preset, model_overrides, init_weights, lr, ...).
         """
-        super().__init__(**kwargs)
+        super().__init__(init_weights=init_weights, **kwargs)
         self.val_loss = MeanMetric()
         self.val_bpb, self.val_completion_acc = MeanMetric(), MeanMetric()
         self.verifier_settings = verifier
         self._tokens_seen = 0
         self._t_last: float | None = None
+        self._sample_round = 0
+
+    def promised_metrics(self, datamodule: Any) -> list[str]:
+        """Every key this stage logs (`val/dev_pass` only when dev tasks are generated and verified)."""
+        keys = ["train/*", "val/loss", "val/bpb", "val/completion_acc", "experts/*", "lr-*"]
+        hp = getattr(datamodule, "hparams", {})
+        if self.hparams.dev_eval and hp.get("corpus", "functions") == "functions" and hp.get("dev_per_family", 1):
+            keys += ["val/dev_pass", "val/dev_pass/*"]
+        return keys
+
+    def metric_hint(self, key: str) -> str:
+        if key.startswith("val/dev_pass") and not self.hparams.dev_eval:
+            return " (model.init_args.dev_eval is false)"
+        if key.startswith("val/dev_pass"):
+            return " (dev tasks exist only for data.init_args.corpus: functions with dev_per_family > 0)"
+        return ""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["tokens_seen"] = self._tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._tokens_seen = int(checkpoint.get("tokens_seen", 0))
 
     # --- losses -------------------------------------------------------------------------------------------------
     def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,20 +112,21 @@ class PretrainModule(StageModule):
         if self.training:
             self.model.update_balance_bias()
             every = self.hparams.expert_histogram_every_n_steps
-            if every and self.global_step % every == 0:
-                self._log_expert_loads()
+            self._log_expert_loads(histograms=bool(every) and self.global_step % every == 0)
 
-    def _log_expert_loads(self) -> None:
-        writer = getattr(self.logger, "experiment", None)
-        if writer is None or not hasattr(writer, "add_histogram"):
-            return
+    def _log_expert_loads(self, histograms: bool) -> None:
+        """max/mean expert load per layer from this step's routing (so the curve is current at every logging step);
+        the load histograms only when asked (they are large)."""
+        writer = getattr(self.logger, "experiment", None) if histograms else None
         for layer, load in self.model.expert_loads().items():
-            if load is not None and load.numel():
+            if load is None or not load.numel():
+                continue
+            self.log(f"experts/max_over_mean_layer{layer}", float(load.max() * load.numel()))
+            if writer is not None and hasattr(writer, "add_histogram"):
                 # one histogram per layer: expert index weighted by its share of routed tokens
                 idx = torch.arange(load.numel(), dtype=torch.float)
                 writer.add_histogram(f"experts/load_layer{layer}", idx.repeat_interleave(
                     (load.float() * 1000).round().long().clamp(min=0)), self.global_step)
-                self.log(f"experts/max_over_mean_layer{layer}", float(load.max() * load.numel()))
 
     # --- validation ---------------------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -128,7 +162,33 @@ class PretrainModule(StageModule):
         if writer is None or not hasattr(writer, "add_text"):
             return
         rows = ["| task | verdict | completion |", "|---|---|---|"]
-        for s, v in list(zip(sampled, verdicts))[: self.hparams.samples_in_log]:
+        picked = rotating_sample(list(zip(sampled, verdicts)), [s.task.family for s in sampled],
+                                 self.hparams.samples_in_log, self._sample_round)
+        self._sample_round += 1
+        for s, v in picked:
             rows.append(f"| `{s.task.entry_point}` | {v[0].status} ({v[0].passed_cases}/{v[0].total_cases}) "
                         f"| {code_cell(s.completions[0])} |")
         writer.add_text("samples/dev", "\n".join(rows), self.global_step)
+
+
+def rotating_sample(items: Sequence[Any], families: Sequence[str], rows: int, round_: int) -> list[Any]:
+    """`rows` items spread over the families round-robin, starting one family further (and one item deeper) each
+    round, so consecutive rounds show every family even when `rows` is smaller than the number of families."""
+    by_family: dict[str, list[Any]] = defaultdict(list)
+    for item, fam in zip(items, families):
+        by_family[fam].append(item)
+    fams = sorted(by_family)
+    rows = min(rows, len(items))
+    if not fams or rows <= 0:
+        return []
+    picked, start = [], (round_ * rows) % len(fams)
+    taken: dict[str, int] = defaultdict(int)
+    while len(picked) < rows:
+        fam = fams[(start + len(picked)) % len(fams)]
+        pool = by_family[fam]
+        if taken[fam] < len(pool):
+            picked.append(pool[(round_ + taken[fam]) % len(pool)])
+            taken[fam] += 1
+        else:
+            start += 1  # this family is used up; move on
+    return picked

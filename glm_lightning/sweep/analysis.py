@@ -5,7 +5,7 @@ per-seed differences d = variant - control, their mean, the exact sign-flip perm
 n <= 20), the interval that inverts that test (so the interval excludes 0 exactly when p < alpha; none with <= 5
 seeds), Holm's adjustment across the study's comparisons of that metric (the primary metric's family is the
 confirmatory one), and the minimum detectable effect at 80% power for that n and the observed SD of d
-(`glm_lightning.power`). Verdicts are plain sentences (`glm_lightning.stats`). Rate metrics (accuracies, pass rates:
+(`glm_lightning.power`). Verdicts are plain sentences (`glm_lightning.stats`). Bounded metrics (declared `bounds`, e.g. accuracies, pass rates:
 every value in [0, 1]) have their per-variant intervals and curve bands clipped to [0, 1].
 """
 
@@ -80,18 +80,12 @@ def per_seed_values(study: Study, results: Sequence[RunResult], tag: str) -> dic
     return out
 
 
-RATE_WORDS = ("acc", "pass", "rate", "exact", "frac")
-
-
 def metric_bounds(metric: Metric, observed: Sequence[float] = ()) -> tuple[float, float] | None:
-    """(0, 1) for a rate metric (an accuracy or pass rate: the tag names one and every observed value lies in
-    [0, 1]), so its intervals can be clipped to what the metric can take; None for unbounded metrics (losses)."""
-    name = metric.tag.lower()
-    if not any(w in name for w in RATE_WORDS) or "loss" in name:
+    """The metric's declared range (`bounds` in the study file, e.g. [0, 1] for rates), so its intervals can be
+    clipped to what the metric can take; None when undeclared, or when an observed value lies outside it."""
+    if metric.bounds is None or any(not metric.bounds[0] <= v <= metric.bounds[1] for v in observed):
         return None
-    if any(not 0.0 <= v <= 1.0 for v in observed):
-        return None
-    return 0.0, 1.0
+    return metric.bounds
 
 
 def clip(value: float, bounds: tuple[float, float] | None) -> float:

@@ -1,8 +1,9 @@
 """`python -m glm_lightning sweep --config configs/experiments/<study>.yaml [--workers N] [--seeds N] [--dry-run]
-[--out DIR] [--backend local|ray]`.
+[--out DIR] [--backend local|ray] [--set KEY=VALUE ...]`.
 
 Exit status: 0 when every run finished, 1 when some run failed (the report is still written from the others),
-2 when the study file or its config is unusable (nothing or only the first run was launched).
+2 when the study file or its config is unusable (nothing or only the first run was launched), 130 when stopped
+(Ctrl-C or SIGTERM: the running runs save last.ckpt and stop; the same command resumes them).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 import time
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,8 +63,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else local Ray)")
     p.add_argument("--threads-per-run", type=int, default=1, help="OMP_NUM_THREADS of every run (default 1)")
     p.add_argument("--run-timeout", type=float, default=None, help="kill a run after this many seconds")
-    p.add_argument("--n-boot", type=int, default=10000, help="bootstrap resamples (default 10000)")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config setting for every run, e.g. --set trainer.max_steps=20 (repeatable; YAML values)")
+    p.add_argument("--n-boot", type=int, default=None, help=argparse.SUPPRESS)  # deprecated: no bootstrap any more
     return p
+
+
+def parse_settings(items: list[str]) -> dict[str, Any]:
+    """`["trainer.max_steps=20", ...]` -> {"trainer.max_steps": 20}; values are YAML (numbers, lists, null)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().removeprefix("--")
+        if not sep or not key:
+            raise StudyError(f"--set expects KEY=VALUE (e.g. --set trainer.max_steps=20), got {item!r}")
+        try:
+            out[key] = yaml.safe_load(value) if value.strip() else value
+        except yaml.YAMLError as err:
+            raise StudyError(f"--set {item!r}: the value is not valid YAML ({err})") from None
+    return out
 
 
 def reproduce_command(args: argparse.Namespace, study: Study, workers: int) -> str:
@@ -71,6 +93,7 @@ def reproduce_command(args: argparse.Namespace, study: Study, workers: int) -> s
         parts += ["--backend", args.backend]
     if args.threads_per_run != 1:
         parts += ["--threads-per-run", str(args.threads_per_run)]
+    parts += [f"--set {shlex.quote(item)}" for item in args.settings]
     return " ".join(parts)
 
 
@@ -80,7 +103,11 @@ def run_sweep(argv: list[str], log=print) -> SweepOutcome:  # noqa: ANN001
     workers = args.workers or default_workers()
     if workers < 1:
         raise StudyError(f"--workers must be >= 1, got {workers}")
+    if args.n_boot is not None:
+        log("[sweep] --n-boot is ignored and will be removed: intervals are test-inverted t intervals, no bootstrap")
     study = load_study(args.config, seeds=args.seeds)
+    if args.settings:
+        study = study.with_settings(parse_settings(args.settings))
     out_dir = (Path(args.out) / study.name).resolve()
     specs = plan_runs(study, Path(args.out))
     validate_config(study, log_dir_args(specs[0].run_dir))
@@ -115,19 +142,19 @@ def run_sweep(argv: list[str], log=print) -> SweepOutcome:  # noqa: ANN001
         results = execute(study, specs, backend, log=log)
     outcome.results = results
     elapsed = time.perf_counter() - t0
-    write_outputs(outcome, reproduce_command(args, study, workers), args.n_boot,
+    write_outputs(outcome, reproduce_command(args, study, workers),
                   elapsed_s=None if args.report_only else elapsed, workers=workers)
     log(f"[sweep] report: {outcome.report}")
     return outcome
 
 
-def write_outputs(outcome: SweepOutcome, reproduce: str, n_boot: int = 10000, elapsed_s: float | None = None,
+def write_outputs(outcome: SweepOutcome, reproduce: str, elapsed_s: float | None = None,
                   workers: int | None = None) -> None:
     from glm_lightning.sweep.analysis import analyse, load_curves
     from glm_lightning.sweep.report import TRAIN_CURVE_TAG, plot_curves, plot_paired, write_hparams, write_report
 
     study, out_dir, results = outcome.study, outcome.out_dir, outcome.results
-    analyses = analyse(study, results, n_boot=n_boot)
+    analyses = analyse(study, results)
     charts: list[Path] = []
     if any(r.ok for r in results):
         tags = [m.tag for m in study.metrics]
@@ -138,19 +165,30 @@ def write_outputs(outcome: SweepOutcome, reproduce: str, n_boot: int = 10000, el
         charts.append(plot_paired(study, analyses[0], out_dir / f"{study.name}-paired.png"))
         write_hparams(study, results, out_dir)
     outcome.charts = charts
-    outcome.report = write_report(study, analyses, results, charts, out_dir, reproduce, n_boot, elapsed_s, workers)
+    outcome.report = write_report(study, analyses, results, charts, out_dir, reproduce, 0, elapsed_s, workers)
     for a in analyses[:1]:
         for c in a.comparisons:
             print(f"[sweep] {a.metric.tag}: {c.verdict}")
 
 
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # the backend then stops its runs (each saves last.ckpt) and the driver exits
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    old = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         outcome = run_sweep(argv)
     except StudyError as err:
         print(f"sweep: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("sweep: stopped; finished runs are kept and unfinished ones saved last.ckpt: run the same command "
+              "again to resume", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, old)
     if outcome.failed:
         print(f"sweep: {len(outcome.failed)} of {len(outcome.results)} runs failed or did not run: "
               + ", ".join(r.spec.key for r in outcome.failed) + f" (details in {outcome.report})", file=sys.stderr)

@@ -8,8 +8,11 @@ EVENT_GLOB = "events.out.tfevents.*"
 
 
 def event_files(run_dir: str | Path) -> list[Path]:
-    """Event files anywhere under a run directory, oldest first (a fresh run directory has one)."""
-    return sorted(Path(run_dir).rglob(EVENT_GLOB), key=lambda p: (p.stat().st_mtime, str(p)))
+    """Event files anywhere under a run directory, oldest first (a resumed run has one per attempt), except the
+    run's own HPARAMS summary (`hparams/`, final values again under `hparams/<tag>`)."""
+    root = Path(run_dir)
+    files = [p for p in root.rglob(EVENT_GLOB) if "hparams" not in p.relative_to(root).parts[:-1]]
+    return sorted(files, key=lambda p: (p.stat().st_mtime, str(p)))
 
 
 def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:

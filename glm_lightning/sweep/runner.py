@@ -1,9 +1,14 @@
 """Running every (variant, seed) of a study as an isolated `python -m glm_lightning fit ...` subprocess.
 
 - Each run has its own directory `<out>/<study>/<variant>/seed<k>/` holding its TensorBoard events, `config.yaml`,
-  `stdout.log` / `stderr.log`, and on success `DONE.json` (final value of every scalar tag, wall time, the exact
-  command and a fingerprint of the run's arguments and base config). Runs with a matching `DONE.json` are skipped, so a
-  sweep is resumable; a run directory without it is wiped and the run starts over.
+  `stdout.log` / `stderr.log`, `RUN.json` (the fingerprint of the run's arguments and base config), and on success
+  `DONE.json` (final value of every scalar tag, wall time, the exact command and that fingerprint).
+- Rerunning a sweep skips runs with a matching `DONE.json`, resumes an unfinished run of the same fingerprint from
+  its `checkpoints/last.ckpt`, and starts the others over. A finished run of other settings is never deleted: its
+  directory is renamed `seed<k>.old-<n>`.
+- Stopping the driver (Ctrl-C, SIGTERM) sends SIGTERM to the running runs, which save `last.ckpt` at the end of their
+  current step and exit (SIGKILL after a grace period); the runs share the driver's process group, so killing that
+  group stops them too.
 - A failing run writes `FAILED.json` (return code, stderr tail); the other runs continue.
 - Backends: `local` (a thread pool of `workers` subprocesses, `OMP_NUM_THREADS=threads` each) and `ray` (one Ray task
   per run; the task returns the run directory's files so a cluster without a shared filesystem works too).
@@ -29,6 +34,8 @@ from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError
 
 DONE_FILE = "DONE.json"
 FAILED_FILE = "FAILED.json"
+RUN_FILE = "RUN.json"
+STOP_GRACE_S = 60.0
 STDERR_TAIL_LINES = 25
 MAX_RETURNED_FILE_BYTES = 64 * 2 ** 20
 
@@ -115,17 +122,47 @@ def tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def _aside(run_dir: Path) -> Path:
+    n = 1
+    while run_dir.with_name(f"{run_dir.name}.old-{n}").exists():
+        n += 1
+    return run_dir.with_name(f"{run_dir.name}.old-{n}")
+
+
+def prepare_run_dir(spec: RunSpec, log: Callable[[str], None] = print) -> list[str]:
+    """Make the run directory ready; returns the extra arguments that resume an unfinished run of the same settings
+    (`--ckpt_path <run>/checkpoints/last.ckpt`), else []. Never deletes a finished run."""
+    run_dir = spec.run_dir
+    if run_dir.exists():
+        last = run_dir / "checkpoints" / "last.ckpt"
+        try:
+            same = json.loads((run_dir / RUN_FILE).read_text()).get("fingerprint") == spec.fingerprint
+        except (OSError, json.JSONDecodeError):
+            same = False
+        if (run_dir / DONE_FILE).is_file():  # finished with other settings: keep it, out of the way
+            aside = _aside(run_dir)
+            run_dir.rename(aside)
+            log(f"[sweep] {spec.key}: a finished run of other settings was moved to {aside}")
+        elif same and last.is_file():
+            (run_dir / FAILED_FILE).unlink(missing_ok=True)
+            return ["--ckpt_path", str(last)]
+        else:
+            shutil.rmtree(run_dir)  # unfinished and not resumable: nothing of value
+    run_dir.mkdir(parents=True)
+    (run_dir / RUN_FILE).write_text(json.dumps({"fingerprint": spec.fingerprint}) + "\n")
+    return []
+
+
 def launch(spec: RunSpec, env: dict[str, str], timeout_s: float | None = None,
            register: Callable[[subprocess.Popen | None], None] | None = None,
            python: str | None = None) -> tuple[int, float]:
-    """Run one training subprocess in a fresh run directory; returns (return code, wall seconds)."""
-    if spec.run_dir.exists():
-        shutil.rmtree(spec.run_dir)
-    spec.run_dir.mkdir(parents=True)
+    """Run one training subprocess (resuming an unfinished one); returns (return code, wall seconds)."""
+    command = spec.command(python) + prepare_run_dir(spec)
     t0 = time.perf_counter()
-    with open(spec.run_dir / "stdout.log", "wb") as out, open(spec.run_dir / "stderr.log", "wb") as err:
-        (spec.run_dir / "command.txt").write_text(" ".join(spec.command(python)) + "\n")
-        proc = subprocess.Popen(spec.command(python), stdout=out, stderr=err, env=env, start_new_session=True)
+    with open(spec.run_dir / "stdout.log", "ab") as out, open(spec.run_dir / "stderr.log", "ab") as err:
+        with open(spec.run_dir / "command.txt", "a") as fh:
+            fh.write(" ".join(command) + "\n")
+        proc = subprocess.Popen(command, stdout=out, stderr=err, env=env)  # the driver's process group
         if register:
             register(proc)
         try:
@@ -140,6 +177,20 @@ def launch(spec: RunSpec, env: dict[str, str], timeout_s: float | None = None,
             if register:
                 register(None)
     return rc, time.perf_counter() - t0
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM (each run saves last.ckpt at the end of its step and exits), then SIGKILL after `grace_s`."""
+    procs = [p for p in procs if p.poll() is None]
+    for proc in procs:
+        proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def finalize(spec: RunSpec, rc: int, wall_s: float) -> RunResult:
@@ -188,6 +239,8 @@ class LocalBackend:
                 if proc is not None:
                     holder.append(proc)
                     self._procs.add(proc)
+                    if self._abort.is_set():  # started while the sweep was being stopped
+                        proc.terminate()
                 else:
                     self._procs.difference_update(holder)
         rc, wall = launch(spec, self.env, self.timeout_s, register)
@@ -195,9 +248,8 @@ class LocalBackend:
 
     def _kill_all(self) -> None:
         with self._lock:
-            for proc in list(self._procs):
-                if proc.poll() is None:
-                    proc.kill()
+            procs = list(self._procs)
+        stop_processes(procs)
 
     def run(self, specs: Sequence[RunSpec], on_outcome: Callable[[Outcome], None]) -> None:
         self._abort.clear()

@@ -57,6 +57,8 @@ class Metric:
     higher_is_better: bool = True
     scale: float = 1.0
     unit: str = ""
+    bounds: tuple[float, float] | None = None
+    """The range the metric can take (e.g. [0, 1] for rates): intervals are clipped to it; None = unbounded."""
 
     @property
     def label(self) -> str:
@@ -106,6 +108,14 @@ class Study:
         h = hashlib.sha256(json.dumps(self.run_args(variant, seed)).encode())
         h.update(self.base.read_bytes())
         return h.hexdigest()[:16]
+
+    def with_settings(self, settings: dict[str, Any]) -> Study:
+        """The study with config `settings` (dotted key -> value) applied to every run, e.g. from `--set`."""
+        varied = {key for v in self.variants for key in v.overrides} | set(self.seed_keys)
+        clash = sorted(set(settings) & varied)
+        if clash:
+            raise StudyError(f"{self.path}: --set cannot change {clash}: the study varies them (variants or seeds)")
+        return Study(**{**self.__dict__, "overrides": {**self.overrides, **settings}})
 
     def with_seed_count(self, n: int) -> Study:
         """The study with `n` seeds: the first n of its seeds, extended by consecutive integers if needed."""
@@ -184,10 +194,10 @@ def _parse_metrics(path: Path, raw: Any, hib: Any) -> list[Metric]:
             entry = {"tag": entry}
         if not isinstance(entry, dict) or not isinstance(entry.get("tag"), str) or not entry["tag"]:
             raise StudyError(f"{path}: metrics[{i}] must be a tag string or a mapping with a `tag`, got {entry!r}")
-        extra = set(entry) - {"tag", "higher_is_better", "scale", "unit"}
+        extra = set(entry) - {"tag", "higher_is_better", "scale", "unit", "bounds"}
         if extra:
             raise StudyError(f"{path}: metrics[{i}]: unknown key(s) {sorted(extra)}; "
-                             f"allowed: tag, higher_is_better, scale, unit")
+                             f"allowed: tag, higher_is_better, scale, unit, bounds")
         tag = entry["tag"]
         default = not tag.rsplit("/", 1)[-1].endswith(LOWER_IS_BETTER_SUFFIXES)
         if isinstance(hib, dict) and tag in hib:
@@ -200,11 +210,22 @@ def _parse_metrics(path: Path, raw: Any, hib: Any) -> list[Metric]:
         scale = entry.get("scale", 1.0)
         if not isinstance(scale, (int, float)) or scale <= 0:
             raise StudyError(f"{path}: metrics[{i}].scale must be a positive number")
-        out.append(Metric(tag, better, float(scale), str(entry.get("unit", ""))))
+        out.append(Metric(tag, better, float(scale), str(entry.get("unit", "")), _parse_bounds(path, i, entry)))
     tags = [m.tag for m in out]
     if len(set(tags)) != len(tags):
         raise StudyError(f"{path}: duplicate metric tags in {tags}")
     return out
+
+
+def _parse_bounds(path: Path, i: int, entry: dict[str, Any]) -> tuple[float, float] | None:
+    raw = entry.get("bounds")
+    if raw is None:
+        return None
+    if not (isinstance(raw, (list, tuple)) and len(raw) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw) and raw[0] < raw[1]):
+        raise StudyError(f"{path}: metrics[{i}].bounds must be [low, high] with low < high (e.g. [0, 1] for a rate), "
+                         f"got {raw!r}")
+    return float(raw[0]), float(raw[1])
 
 
 def _parse_seeds(path: Path, raw: Any) -> tuple[list[int], bool]:

@@ -1,0 +1,140 @@
+"""Bad inputs get one clear line, never a stack trace from deep inside: `python -m glm_lightning ...` (`cli.run`)
+prints `error: <what is wrong and what to change>` and exits with status 2; the public model APIs raise a ValueError
+that names the expected shape or range."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from glm_lightning.cli import run
+from glm_lightning.model import GLMConfig, GLMModel
+
+CONF = Path(__file__).parent / "conf"
+TINY = str(CONF / "pretrain_tiny.yaml")
+RL_TINY = str(CONF / "rl_tiny.yaml")
+README = str(Path(__file__).resolve().parent.parent / "README.md")
+
+
+def _save(path: Path, preset: str, **overrides: object) -> str:
+    cfg = GLMConfig.preset(preset, **overrides)
+    state = {f"model.{k}": v for k, v in GLMModel(cfg).state_dict().items()}
+    torch.save({"glm_config": cfg.to_dict(), "state_dict": state}, path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:  # noqa: ANN001
+    tmp = tmp_path_factory.mktemp("bad_inputs")
+    torch.manual_seed(0)
+    typo = tmp / "typo.yaml"
+    typo.write_text(Path(TINY).read_text().replace("    lr: 3.0e-3", "    lrr: 3.0e-3"))
+    no_start = tmp / "rl_no_start.yaml"
+    no_start.write_text("".join(line for line in Path(RL_TINY).read_text().splitlines(keepends=True)
+                                if "init_weights" not in line))
+    not_glm = tmp / "not_glm.ckpt"
+    torch.save({"state_dict": {}}, not_glm)
+    return {"tiny": _save(tmp / "tiny.ckpt", "tiny", max_seq_len=192),
+            "other": _save(tmp / "other.ckpt", "tiny", max_seq_len=192, d_model=48),
+            "typo": str(typo), "no_start": str(no_start), "not_glm": str(not_glm), "logs": str(tmp / "logs")}
+
+
+def _fit(*extra: str, config: str = TINY) -> list[str]:
+    return ["fit", "--config", config, "--trainer.max_steps", "1", "--trainer.logger", "false", *extra]
+
+
+CASES = {
+    # checkpoints
+    "generate: not a checkpoint": (["generate", "--ckpt", README], "is not a checkpoint"),
+    "generate: missing checkpoint": (["generate", "--ckpt", "no/such.ckpt"], "checkpoint not found"),
+    "generate: not a glm checkpoint": (["generate", "--ckpt", "@not_glm"], "not a glm-lightning checkpoint"),
+    "fit: init_weights is not a checkpoint": (_fit("--model.init_args.init_weights", README), "is not a checkpoint"),
+    "fit: init_weights of another model config": (_fit("--model.init_args.init_weights", "@other"),
+                                                  "different model config"),
+    # prompts and sequences
+    "generate: empty prompt": (["generate", "--ckpt", "@tiny", "--prompt", ""], "prompt is empty"),
+    "generate: blank prompt": (["generate", "--ckpt", "@tiny", "--prompt", "   "], "prompt is empty"),
+    "generate: prompt longer than the context": (["generate", "--ckpt", "@tiny", "--prompt", "x" * 400],
+                                                 "context is 192"),
+    "generate: prompt and task together": (["generate", "--ckpt", "@tiny", "--prompt", "def f(x):", "--task",
+                                            "increment"], "either --prompt or --task"),
+    "generate: zero new tokens": (["generate", "--ckpt", "@tiny", "--prompt", "a", "--max_new_tokens", "0"],
+                                  "--max_new_tokens must be >= 1"),
+    "generate: zero samples": (["generate", "--ckpt", "@tiny", "--prompt", "a", "--num_samples", "0"],
+                               "--num_samples must be >= 1"),
+    "generate: negative temperature": (["generate", "--ckpt", "@tiny", "--prompt", "a", "--temperature", "-1"],
+                                       "--temperature must be >= 0"),
+    # presets and families
+    "generate: unknown family": (["generate", "--ckpt", "@tiny", "--task", "nosuch"], "nosuch"),
+    "fit: unknown preset": (_fit("--model.init_args.preset", "huge"), "unknown preset 'huge'"),
+    "fit: unknown family": (_fit("--data.init_args.families", "[nosuch]"), "unknown task family 'nosuch'"),
+    # config keys
+    "fit: misspelt trainer key": (_fit("--trainer.max_stepz", "3"), "did you mean 'trainer.max_steps'"),
+    "fit: misspelt model key": (_fit("--model.init_args.warmup_stepz", "3"),
+                                "did you mean 'model.init_args.warmup_steps'"),
+    "fit: misspelt key in the YAML file": (_fit(config="@typo"), "did you mean 'model.init_args.lr'"),
+    "fit: missing config file": (["fit", "--config", "no/such.yaml"], "does not exist"),
+    # configs that would fail late or silently
+    "fit: monitored key never logged": (_fit("--trainer.callbacks+=ModelCheckpoint",
+                                             "--trainer.callbacks.monitor=val/dev_pass",
+                                             "--model.init_args.dev_eval=false", "--trainer.logger", "true"),
+                                        "model.init_args.dev_eval is false"),
+    "fit: data longer than the context": (_fit("--model.init_args.model_overrides", "{max_seq_len: 64}"),
+                                          "set `model.init_args.model_overrides: {max_seq_len: 192}`"),
+    "fit: freeze pattern matches nothing": (_fit("--trainer.callbacks+=callbacks.freeze.FreezeCallback",
+                                                 "--trainer.callbacks.train=[model.blocks.11.*]", config=RL_TINY),
+                                            "closest names: model.blocks.1.*"),
+    "fit: continuing stage without init_weights": (_fit(config="@no_start"), "init_weights is not set"),
+    "fit: contradictory trainer settings": (_fit("--trainer.enable_progress_bar", "false",
+                                                 "--trainer.callbacks+=RichProgressBar"),
+                                            "enable_progress_bar=False` but found `RichProgressBar`"),
+    # commands
+    "unknown command": (["frobnicate"], "unknown command 'frobnicate'"),
+    "demo: broken chain": (["demo", "--stages", "vision,rl"], "prefix"),
+    "sweep: --set without a value": (["sweep", "--config", str(CONF / "sweep_tiny.yaml"), "--dry-run", "--set",
+                                      "trainer.max_steps"], "KEY=VALUE"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cli_bad_input_is_one_clear_line(name, files, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    loggers = [logging.getLogger(), *(lg for lg in logging.root.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    for handler in (h for lg in loggers for h in lg.handlers):  # handlers bound to an earlier test's capture
+        if type(handler) is logging.StreamHandler:
+            monkeypatch.setattr(handler, "stream", sys.stderr)
+    argv, expected = CASES[name]
+    rc = run([files[a[1:]] if a.startswith("@") else a for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert lines and "error" in lines[-1].lower() and expected in lines[-1], err[-2000:]
+    assert not [p for p in tmp_path.iterdir() if p.name != "lightning_logs"], "a failed command wrote files"
+
+
+@pytest.mark.parametrize("ids, message", [
+    (torch.tensor([[1, 999]]), "token ids must lie in"),
+    (torch.tensor([[-1, 5]]), "token ids must lie in"),
+    (torch.zeros(3, dtype=torch.long), "shape [B, T]"),
+    (torch.zeros(1, 3), "integer token ids"),
+])
+def test_model_rejects_bad_token_ids(ids, message):
+    model = GLMModel(GLMConfig.preset("tiny"))
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        model.check_ids(ids)
+
+
+@pytest.mark.parametrize("shape, message", [((2, 1, 7, 7), "must be 8x8"), ((2, 3, 8, 8), "1 channels"),
+                                            ((1, 8, 8), "4D tensor")])
+def test_vision_encoder_rejects_images_of_the_wrong_shape(shape, message):
+    from glm_lightning.model.vision import VisionConfig, VisionEncoder
+
+    cfg = VisionConfig.from_dict({"image_size": 8, "channels": 1, "patch_size": 2, "dim": 16, "heads": 2, "depth": 1})
+    with pytest.raises(ValueError, match=message):
+        VisionEncoder(cfg, out_dim=32).check_images(torch.zeros(shape))
