@@ -130,6 +130,18 @@ def test_model_rejects_bad_token_ids(ids, message):
         model.check_ids(ids)
 
 
+@pytest.mark.parametrize("shape", [(1, 0), (0, 4)])
+def test_empty_sequence_is_a_clear_error_in_forward_and_generate(shape):
+    from glm_lightning.generation import generate
+
+    model = GLMModel(GLMConfig.preset("tiny"))
+    ids = torch.zeros(shape, dtype=torch.long)
+    with pytest.raises(ValueError, match="is empty"):
+        model(ids)
+    with pytest.raises(ValueError, match="is empty"):
+        generate(model, ids, max_new_tokens=2)
+
+
 @pytest.mark.parametrize("shape, message", [((2, 1, 7, 7), "must be 8x8"), ((2, 3, 8, 8), "1 channels"),
                                             ((1, 8, 8), "4D tensor")])
 def test_vision_encoder_rejects_images_of_the_wrong_shape(shape, message):

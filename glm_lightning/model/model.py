@@ -128,6 +128,8 @@ class GLMModel(nn.Module):
             raise ValueError("input_ids must be a LongTensor of shape [B, T]")
         if input_ids.dtype not in (torch.long, torch.int32, torch.int64):
             raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids is empty (shape {list(input_ids.shape)}): give at least one token per row")
 
     def check_ids(self, input_ids: torch.Tensor) -> None:
         """Raise a clear error for a non-[B,T] / non-integer / out-of-range id tensor (the API-boundary check)."""
