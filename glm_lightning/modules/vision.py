@@ -28,7 +28,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 from glm_lightning.lora import apply_lora, is_lora_parametrized, lora_checkpoint_state, merge_lora, restore_lora_state
-from glm_lightning.lr_groups import build_param_groups, parse_lr_groups
+from glm_lightning.modules.lr_groups import build_param_groups, parse_lr_groups
 from glm_lightning.model.vision import VisionConfig, VisionEncoder, splice_image_features
 from glm_lightning.modules.base import StageModule
 from glm_lightning.tokenizer import ByteTokenizer
@@ -72,7 +72,7 @@ class VisionModule(StageModule):
             aux_loss_weight: multiplier on the model's aux loss (MoE balance + DSA indexer).
             log_images: images in the TensorBoard prediction grid (0 = no grid).
             lr_groups: per-group learning rates by parameter-name pattern, first match wins, `lr: 0` freezes
-                (:mod:`glm_lightning.lr_groups`), e.g. ``[{name: encoder, params: ["vision.*"], lr: 3e-3}]``.
+                (:mod:`glm_lightning.modules.lr_groups`), e.g. ``[{name: encoder, params: ["vision.*"], lr: 3e-3}]``.
             lora: low-rank adapters on the matched weights, added after `init_weights` loads (their base weights
                 are frozen): ``{targets: ["model.blocks.*.mixer.*_proj.weight"], rank: 8, alpha: 16,
                 merge_at_end: true}``. Checkpoints always hold the merged weights (plus the adapters, for resuming).
@@ -144,6 +144,20 @@ class VisionModule(StageModule):
             return super().param_groups()
         return build_param_groups(self.named_parameters(), self._lr_groups, self.hparams.lr,
                                   self.hparams.weight_decay)
+
+    def setup(self, stage: str) -> None:
+        """Fail before training when the data cannot feed this model (image form, replayed text length)."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        hp = getattr(dm, "hparams", {})
+        cfg = self.vision_config
+        if hp.get("image_size", cfg.image_size) != cfg.image_size or hp.get("channels", cfg.channels) != cfg.channels:
+            raise ValueError(f"the data gives [{hp.get('channels')}, {hp.get('image_size')}, {hp.get('image_size')}] "
+                             f"images but the vision encoder takes [{cfg.channels}, {cfg.image_size}, "
+                             f"{cfg.image_size}]: set data.init_args.channels / image_size or model vision.* to match")
+        text = getattr(dm, "text", None)
+        if text is not None and text.hparams.seq_len > self.glm_config.max_seq_len:
+            raise ValueError(f"text_replay.seq_len {text.hparams.seq_len} exceeds the model's max_seq_len "
+                             f"{self.glm_config.max_seq_len}")
 
     # --- forward --------------------------------------------------------------------------------------------------
     def input_ids(self, batch_size: int, answers: torch.Tensor | None = None) -> torch.Tensor:
