@@ -25,6 +25,7 @@ splits are normalised with the per-channel mean/std of the training split. Batch
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -177,8 +178,8 @@ def load_mnist(data_dir: str | Path, download: bool = False) -> tuple[torch.Tens
     return load_mnist_folder(data_dir, download=download)
 
 
-def build_text_replay(spec: dict[str, Any] | None) -> tuple[float, CodeCorpusDataModule | None]:
-    """(ratio, the text DataModule) from the `text_replay` mapping; (0, None) without replay."""
+def check_text_replay(spec: dict[str, Any] | None) -> tuple[float, dict[str, Any] | None]:
+    """(ratio, CodeCorpusDataModule arguments) of the `text_replay` mapping; (0, None) without replay."""
     if spec is None:
         return 0.0, None
     if not isinstance(spec, dict):
@@ -188,9 +189,10 @@ def build_text_replay(spec: dict[str, Any] | None) -> tuple[float, CodeCorpusDat
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"text_replay.ratio must lie in (0, 1] (text batches per digit batch), got {ratio!r}")
     try:
-        return float(ratio), CodeCorpusDataModule(**spec)
+        inspect.signature(CodeCorpusDataModule).bind(**spec)
     except TypeError as err:
         raise ValueError(f"text_replay: {err} (keys other than `ratio` are CodeCorpusDataModule arguments)") from err
+    return float(ratio), spec
 
 
 # --- dataset and DataModule -----------------------------------------------------------------------------------------
@@ -275,7 +277,8 @@ class DigitsDataModule(pl.LightningDataModule):
         if max_samples is not None and max_samples < 30:
             raise ValueError(f"max_samples must be >= 30 (3 splits x 10 classes) or null, got {max_samples}")
         self.save_hyperparameters()
-        self.replay_ratio, self.text = build_text_replay(text_replay)
+        self.replay_ratio, self._text_args = check_text_replay(text_replay)
+        self.text: CodeCorpusDataModule | None = None  # built in setup (not while the CLI instantiates this one)
         self.num_classes = NUM_CLASSES
         self.mean: list[float] | None = None
         self.std: list[float] | None = None
@@ -321,7 +324,8 @@ class DigitsDataModule(pl.LightningDataModule):
         return splits
 
     def setup(self, stage: str | None = None) -> None:
-        if self.text is not None and stage in (None, "fit"):
+        if self._text_args is not None and self.text is None and stage in (None, "fit"):
+            self.text = CodeCorpusDataModule(**self._text_args)
             self.text.setup("fit")
         if self.train_set is not None:
             return
