@@ -119,3 +119,26 @@ def test_vision_run_with_replay_adapters_and_text_eval_logs_everything(tmp_path)
     # the frozen LM (lr 0) kept its weights; only adapters changed, and the merged checkpoint carries them
     later = VisionModule(preset="tiny", model_overrides={"max_seq_len": 192}, vision=SMALL, init_weights=str(last))
     assert not is_lora_parametrized(later)
+
+
+def test_forgetting_study_validates_every_variant(tmp_path, monkeypatch, capsys):
+    """The study's dry run parses the base plus each method's overrides and instantiates model, data and callbacks
+    (with a stand-in for the demo's pre-training checkpoint that the real study starts from)."""
+    from glm_lightning.model import GLMConfig, GLMModel
+    from glm_lightning.sweep.cli import run_sweep
+    from glm_lightning.sweep.study import load_study
+
+    monkeypatch.chdir(tmp_path)
+    cfg = GLMConfig.preset("demo")
+    ckpt = tmp_path / "lightning_logs" / "demo" / "pretrain.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"glm_config": cfg.to_dict(),
+                "state_dict": {f"model.{k}": v for k, v in GLMModel(cfg).state_dict().items()}}, ckpt)
+    study_path = Path(__file__).resolve().parent.parent / "configs" / "experiments" / "vision_forgetting.yaml"
+    study = load_study(study_path)
+    assert [v.name for v in study.variants] == ["frozen_lm", "last_block", "replay", "group_lrs", "adapters",
+                                                "adapters_replay"]
+    assert study.seeds == [0, 1, 2] and study.primary.tag == "val/acc"
+    run_sweep(["--config", str(study_path), "--out", str(tmp_path / "sweeps"), "--dry-run"])
+    out = capsys.readouterr().out
+    assert out.count("python -m glm_lightning fit") == 6 * 3
