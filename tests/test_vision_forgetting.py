@@ -142,3 +142,21 @@ def test_forgetting_study_validates_every_variant(tmp_path, monkeypatch, capsys)
     run_sweep(["--config", str(study_path), "--out", str(tmp_path / "sweeps"), "--dry-run"])
     out = capsys.readouterr().out
     assert out.count("python -m glm_lightning fit") == 6 * 3
+
+
+def test_adapted_kda_weights_evaluate_under_inference_mode_and_never_go_stale():
+    """KDA caches its fused q/k/v weights by tensor identity when autograd is off; adapted weights must work in
+    inference mode and a change of the adapters must change the outputs (to those of the merged model)."""
+    m = _module(lora={"targets": ["model.blocks.0.mixer.[qkv]_proj.weight"], "rank": 2, "alpha": 4})
+    images = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        first = m(images).logits.clone()
+    _perturb_adapters(m)  # in place: the adapters' version counters move
+    with torch.inference_mode():
+        second = m(images).logits.clone()
+        again = m(images).logits.clone()
+    assert not torch.equal(first, second) and torch.equal(second, again)
+    from glm_lightning.lora import merge_lora
+    merge_lora(m)
+    with torch.inference_mode():
+        torch.testing.assert_close(m(images).logits, second, rtol=1e-5, atol=1e-5)
