@@ -41,9 +41,15 @@ def test_real_run_logs_checkpoints_and_resumes(tmp_path, monkeypatch):
     main(["fit", *common, "--trainer.max_steps", "4"])
     run_dir = tmp_path / "logs" / "test" / "version_0"
     scalars, acc = _scalars(run_dir)
-    for tag in ("train/loss", "val/loss", "val/bpb", "val/completion_acc", "val/dev_pass", "lr-AdamW" if False
-                else "train/tokens_per_s"):
+    for tag in ("train/loss", "val/loss", "val/bpb", "val/completion_acc", "val/dev_pass", "train/tokens_per_s",
+                "val/families_solved", "val/families_majority", "time/train_minutes"):
         assert tag in scalars, sorted(scalars)
+    families = [t for t in scalars if t.startswith("val/dev_pass/")]
+    for i, (solved, majority) in enumerate(zip(scalars["val/families_solved"], scalars["val/families_majority"])):
+        rates = [scalars[t][i] for t in families]
+        assert solved == sum(r == 1.0 for r in rates) and majority == sum(r > 0.5 for r in rates)
+    assert len(scalars["time/train_minutes"]) == 2 and 0 < scalars["time/train_minutes"][0] < scalars[
+        "time/train_minutes"][1]
     assert all(torch.isfinite(torch.tensor(v)).all() for v in scalars.values())
     assert any(t.startswith("samples/dev") for t in acc.Tags()["tensors"])
     last = tmp_path / "ckpt" / "last.ckpt"
@@ -58,6 +64,9 @@ def test_real_run_logs_checkpoints_and_resumes(tmp_path, monkeypatch):
     main(["fit", *common, "--trainer.max_steps", "6", "--ckpt_path", str(last)])
     resumed = torch.load(last, weights_only=False)
     assert resumed["global_step"] == 6
+    minutes, _ = _scalars(run_dir.parent / "version_1")  # the checkpoint lives outside the log dir: a new version
+    assert minutes["time/train_minutes"][-1] > scalars["time/train_minutes"][-1], "the fit clock continues on resume"
+    assert resumed["train_seconds"] > state["train_seconds"] > 0
     assert resumed["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"batches_served": 6}]
 
 

@@ -7,7 +7,10 @@ completions for held-out task identities and runs them in the sandboxed verifier
 
 Dashboards: `train/tokens_seen` continues across a resume (it is saved in the checkpoint), the per-layer
 `experts/max_over_mean_layer{i}` is logged every logging step (the histograms every `expert_histogram_every_n_steps`),
-and the dev-sample table rotates over all task families from one validation to the next.
+and the dev-sample table rotates over all task families from one validation to the next. `time/train_minutes` (wall
+minutes spent in fit, continued across a resume) is logged at every validation, so dev pass can be read against
+wall-clock time; `val/families_solved` counts families whose dev tasks all pass and `val/families_majority` those
+with more than half passing (with one dev task per family, as in the tutorial, the two are the same).
 """
 
 from __future__ import annotations
@@ -60,13 +63,15 @@ class PretrainModule(StageModule):
         self._tokens_seen = 0
         self._t_last: float | None = None
         self._sample_round = 0
+        self._wall_before = 0.0  # fit seconds of earlier attempts (a resumed run continues the clock)
+        self._fit_t0: float | None = None
 
     def promised_metrics(self, datamodule: Any) -> list[str]:
         """Every key this stage logs (`val/dev_pass` only when dev tasks are generated and verified)."""
-        keys = ["train/*", "val/loss", "val/bpb", "val/completion_acc", "experts/*", "lr-*"]
+        keys = ["train/*", "val/loss", "val/bpb", "val/completion_acc", "experts/*", "lr-*", "time/*"]
         hp = getattr(datamodule, "hparams", {})
         if self.hparams.dev_eval and hp.get("corpus", "functions") == "functions" and hp.get("dev_per_family", 1):
-            keys += ["val/dev_pass", "val/dev_pass/*"]
+            keys += ["val/dev_pass", "val/dev_pass/*", "val/families_solved", "val/families_majority"]
         return keys
 
     def metric_hint(self, key: str) -> str:
@@ -79,9 +84,20 @@ class PretrainModule(StageModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["tokens_seen"] = self._tokens_seen
+        checkpoint["train_seconds"] = self.train_seconds()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._tokens_seen = int(checkpoint.get("tokens_seen", 0))
+        self._wall_before = float(checkpoint.get("train_seconds", 0.0))
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self._fit_t0 = time.perf_counter()
+
+    def train_seconds(self) -> float:
+        """Wall seconds spent in fit so far, earlier attempts of a resumed run included."""
+        now = time.perf_counter()
+        return self._wall_before + (now - self._fit_t0 if self._fit_t0 is not None else 0.0)
 
     # --- losses -------------------------------------------------------------------------------------------------
     def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,10 +159,17 @@ class PretrainModule(StageModule):
         self.log("val/completion_acc", self.val_completion_acc, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking or not self.hparams.dev_eval:
+        if self.trainer.sanity_checking:
             return
-        dm = self.trainer.datamodule
-        tasks = list(getattr(dm, "dev_tasks", None) or [])
+        if self.hparams.dev_eval:
+            self._dev_pass()
+        # after the dev evaluation: the minute at which this validation's numbers were known
+        self.log("time/train_minutes", self.train_seconds() / 60)
+
+    def _dev_pass(self) -> None:
+        """Greedy completions of the datamodule's dev tasks, verified; pass rate overall, per family, and the
+        number of families solved."""
+        tasks = list(getattr(self.trainer.datamodule, "dev_tasks", None) or [])
         if not tasks:
             return
         sampled = sample_completions(self.model, tasks, max_new_tokens=self.hparams.dev_max_new_tokens)
@@ -155,6 +178,8 @@ class PretrainModule(StageModule):
         rates = pass_rates(tasks, passed)
         self.log("val/dev_pass", rates.pop("all"), prog_bar=True)
         self.log_dict({f"val/dev_pass/{fam}": r for fam, r in rates.items()})
+        self.log("val/families_solved", float(sum(r == 1.0 for r in rates.values())), prog_bar=True)
+        self.log("val/families_majority", float(sum(r > 0.5 for r in rates.values())))
         self._log_samples(sampled, verdicts)
 
     def _log_samples(self, sampled: list[Any], verdicts: list[list[Any]]) -> None:
