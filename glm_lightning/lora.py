@@ -35,21 +35,11 @@ class LowRankDelta(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, in_features))
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's default init, as in the paper's code
-        self._eval_cache: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            return torch.addmm(weight, self.lora_B, self.lora_A, alpha=self.scale)
-        # Without autograd (evaluation, generation) the adapted weight is computed once and kept while its inputs are
-        # unchanged: decoding reads every weight once per token, and model code that caches fused copies by tensor
-        # identity (KDA's q/k/v concatenation) must never see a freed tensor's id reused for different values.
-        # Outside inference mode, so the result has a version counter like any parameter.
-        key = (id(weight), weight._version, self.lora_A._version, self.lora_B._version)
-        if self._eval_cache is None or self._eval_cache[0] != key:
-            with torch.inference_mode(False):
-                fresh = torch.addmm(weight, self.lora_B, self.lora_A, alpha=self.scale)
-            self._eval_cache = (key, fresh)  # the old tensor was alive while `fresh` was made: their ids differ
-        return self._eval_cache[1]
+        # Recomputed on every call, also without autograd: a cache keyed on version counters goes stale, because
+        # fused AdamW updates parameters in place without bumping them.
+        return torch.addmm(weight, self.lora_B, self.lora_A, alpha=self.scale)
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -280,6 +280,10 @@ class KDACache:
 
     conv_state: Tensor
     state: Tensor
+    in_weights: tuple[Tensor, Tensor] | None = None
+    """The layer's fused input projections for this decode (built on first use). They live with the cache, not the
+    layer, because weights cannot change during one generation but do between generations, and an optimizer that
+    writes in place need not bump the version counter (fused AdamW does not), so no cache key on the layer is safe."""
 
     @classmethod
     def empty(cls, batch: int, cfg: GLMConfig, device: torch.device | str | None = None) -> KDACache:
@@ -295,12 +299,13 @@ class KDACache:
 
     def repeat_interleave(self, n: int) -> KDACache:
         """Each row replicated n times along the batch (row i -> rows i*n .. i*n+n-1)."""
-        return KDACache(self.conv_state.repeat_interleave(n, dim=0), self.state.repeat_interleave(n, dim=0))
+        return KDACache(self.conv_state.repeat_interleave(n, dim=0), self.state.repeat_interleave(n, dim=0),
+                        self.in_weights)
 
     def index_select(self, rows: Tensor) -> KDACache:
         """The cache of the given batch rows (a copy)."""
         rows = rows.to(self.state.device)
-        return KDACache(self.conv_state.index_select(0, rows), self.state.index_select(0, rows))
+        return KDACache(self.conv_state.index_select(0, rows), self.state.index_select(0, rows), self.in_weights)
 
 
 class KDAttention(nn.Module):
@@ -332,7 +337,6 @@ class KDAttention(nn.Module):
         self.o_proj = nn.Linear(HK, d, bias=False)
         # per (q heads | k heads) divisor of the fused L2 norm: sqrt(K) for q (q / |q| * K^-0.5), 1 for k
         self.register_buffer("_qk_rescale", torch.tensor([K ** 0.5] * H + [1.0] * H).view(2 * H, 1), persistent=False)
-        self._w_in_cache: tuple | None = None
         self.register_buffer("_no_aux", torch.zeros(()), persistent=False)  # KDA's aux loss (none), not re-made per call
         self.reset_parameters()
 
@@ -382,18 +386,17 @@ class KDAttention(nn.Module):
         g = self.lower_bound * torch.sigmoid(_f32(self.A_log).exp().view(H, 1) * f)
         return g, torch.sigmoid(_f32(b))
 
-    def _in_weights(self) -> tuple[Tensor, Tensor]:
-        """The fused input projections [W_q; W_k; W_v] and [W_f1; W_g1; W_b]. Rebuilt on every call while autograd
-        records; otherwise (decoding) cached until a parameter changes (data pointer or in-place version)."""
+    def _in_weights(self, cache: KDACache | None) -> tuple[Tensor, Tensor]:
+        """The fused input projections [W_q; W_k; W_v] and [W_f1; W_g1; W_b]: rebuilt on every call, except while
+        decoding without autograd, where the decode cache keeps them for the rest of that generation."""
         qkv = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         small = (self.f_a_proj.weight, self.g_a_proj.weight, self.b_proj.weight)
-        if torch.is_grad_enabled():
+        if cache is None or torch.is_grad_enabled():
             return torch.cat(qkv), torch.cat(small)
-        key = tuple((id(p), p.data_ptr(), p._version, p.dtype) for p in qkv + small)
-        if self._w_in_cache is None or self._w_in_cache[0] != key:
+        if cache.in_weights is None:
             with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable in and out of inference mode
-                self._w_in_cache = (key, torch.cat(qkv), torch.cat(small))
-        return self._w_in_cache[1], self._w_in_cache[2]
+                cache.in_weights = (torch.cat(qkv), torch.cat(small))
+        return cache.in_weights
 
     def forward(self, x: Tensor, valid: Tensor | None = None,
                 cache: KDACache | None = None) -> tuple[Tensor, Tensor]:
@@ -425,7 +428,7 @@ class KDAttention(nn.Module):
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         HK = H * K
-        w_qkv, w_small = self._in_weights()
+        w_qkv, w_small = self._in_weights(cache)
         raw = F.linear(x, w_qkv)                                                     # [B, T, 3HK] q|k|v
         f1, g1, b = F.linear(x, w_small).split([K, K, H], dim=-1)
         if valid is not None:
