@@ -109,3 +109,23 @@ def two_seed_study(tmp_path: Path) -> Path:
     path = tmp_path / "rl_tutorial_size.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+def test_the_shipped_study_validates(tmp_path, monkeypatch, capsys):
+    """Every variant of the shipped study instantiates (flash-25m, tied embedding trained, the callbacks' settings)
+    and loads its start checkpoint from the documented path (a fresh flash-25m model saved there)."""
+    import torch
+
+    from glm_lightning.model import GLMConfig, GLMModel
+    from glm_lightning.sweep.cli import run_sweep
+
+    monkeypatch.chdir(tmp_path)
+    ckpt = tmp_path / "lightning_logs/pretrain/version_0/checkpoints/every/step100.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    cfg = GLMConfig.preset("flash-25m")
+    state = {f"model.{k}": v for k, v in GLMModel(cfg).state_dict().items()}
+    torch.save({"glm_config": cfg.to_dict(), "state_dict": state}, ckpt)
+    outcome = run_sweep(["--config", str(STUDY), "--out", str(tmp_path / "sweeps"), "--dry-run"])
+    assert [v.name for v in outcome.study.variants] == ["rloo", "grpo"] and len(outcome.study.seeds) == 3
+    out = capsys.readouterr().out
+    assert out.count("python -m glm_lightning fit") == 6 and "--model.init_args.loss.advantage=grpo" in out

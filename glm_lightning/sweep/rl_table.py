@@ -255,9 +255,9 @@ def write_table_report(study: Study, out: Path, report_path: Path, reproduce: st
              "Issue 18, part 2: our runs next to the tutorial's final RL run (`tutorial-baseline.md` §6.2-6.3).", "",
              study.description or "", "",
              "## The tutorial's table and ours", "",
-             "Ours evaluates 32 confirm tasks per family (the tutorial: 8), so N differs; compare the rates. "
-             "Before = the start checkpoint measured at the start of each run, after = the same tasks at the end.",
-             ""]
+             f"Ours evaluates {_tasks_per_family(runs)} confirm tasks per family (the tutorial: 8), so N differs; "
+             "compare the rates. Before = the start checkpoint measured at the start of each run, after = the same "
+             "tasks at the end.", ""]
     lines += table_section(study, runs)
     lines += ["## Regressions on the untrained families", ""] + regression_section(study, runs)
     analyses = analyse(study, results)
@@ -278,6 +278,11 @@ def write_table_report(study: Study, out: Path, report_path: Path, reproduce: st
     report_path.parent.mkdir(parents=True, exist_ok=True)
     report_path.write_text("\n".join(lines))
     return report_path
+
+
+def _tasks_per_family(runs: Sequence[RunTable]) -> str:
+    sizes = sorted({len(m["greedy"]) for r in runs for m in r.final.values()})
+    return "/".join(map(str, sizes)) or "n/a"
 
 
 def _rel(path: Path) -> str:
