@@ -96,6 +96,9 @@ def test_report_from_a_synthetic_sweep(tmp_path):
     assert "| trained (increment, double, even), pooled | 0/30 → 12/30; 12 gained / 0 lost; p 4.9e-04" in text
     assert "grpo seed" in text and "not finished" in text
     assert "6.0 min" in text and "5.0 min" in text  # DONE.json wall time and time/run_s
+    # per family, rloo mean over its 2 runs: square 80 exact samples before, 0 after (both runs lost all 10 tasks)
+    assert "| square | no | 80.0 → 0.0 of 80 | 80.0 → 72.0 of 80 | 10.0 → 0.0 of 10 | 10.0 → 9.0 of 10 |" in text
+    assert "| increment | yes | 1.0 → 40.0 of 80 |" in text  # rloo gains 4 and 6 tasks x 8 samples: mean 40
     assert "MDE of the pass-rate change" in text and "RLOO vs GRPO" in text
 
 

@@ -177,6 +177,43 @@ def table_section(study: Study, runs: Sequence[RunTable]) -> list[str]:
     return lines + [""]
 
 
+def family_counts(measurement: Measurement, n_samples: int) -> dict[str, tuple[int, int, int]]:
+    """family -> (exact samples, tasks with a passing sample, tasks): the tutorial's per-family sampled table."""
+    out = {}
+    for fam, m in measurement.items():
+        exact = [round(float(v) * n_samples) for v in m.get("sampled", [])]
+        out[fam] = (sum(exact), sum(e > 0 for e in exact), len(m["greedy"]))
+    return out
+
+
+def family_section(study: Study, runs: Sequence[RunTable]) -> list[str]:
+    """Per family, mean over the seeds of each variant: exact samples and pass@n, before -> after (the tutorial's
+    "per family, sampled" table)."""
+    if not runs:
+        return []
+    names = [v.name for v in study.variants]
+    n = runs[0].n_samples
+    head = ["family", "trained"] + [f"{name}: exact samples" for name in names] + [f"{name}: pass@{n}" for name in names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for fam, role in runs[0].roles.items():
+        exact_cells, pass_cells = [], []
+        for name in names:
+            mine = [r for r in runs if r.variant == name]
+            if not mine:
+                exact_cells.append("n/a")
+                pass_cells.append("n/a")
+                continue
+            before = [family_counts(r.baseline, r.n_samples)[fam] for r in mine]
+            after = [family_counts(r.final, r.n_samples)[fam] for r in mine]
+            tasks = before[0][2]
+            exact_cells.append(f"{statistics.mean(b[0] for b in before):.1f} → {statistics.mean(a[0] for a in after):.1f}"
+                               f" of {tasks * n}")
+            pass_cells.append(f"{statistics.mean(b[1] for b in before):.1f} → {statistics.mean(a[1] for a in after):.1f}"
+                              f" of {tasks}")
+        lines.append("| " + " | ".join([fam, "yes" if role == "rewarded" else "no", *exact_cells, *pass_cells]) + " |")
+    return lines + [""]
+
+
 def _join(measurement: Measurement, families: Sequence[str]) -> dict[str, list[float]]:
     return {key: [v for f in families for v in measurement[f].get(key, [])] for key in ("greedy", "sampled")}
 
@@ -259,6 +296,7 @@ def write_table_report(study: Study, out: Path, report_path: Path, reproduce: st
              "compare the rates. Before = the start checkpoint measured at the start of each run, after = the same "
              "tasks at the end.", ""]
     lines += table_section(study, runs)
+    lines += ["## Per family, sampled (mean over seeds)", ""] + family_section(study, runs)
     lines += ["## Regressions on the untrained families", ""] + regression_section(study, runs)
     analyses = analyse(study, results)
     lines += ["## RLOO vs GRPO (paired by seed)", ""] + _power_lines(study, analyses[0])
