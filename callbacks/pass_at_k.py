@@ -5,8 +5,13 @@ At the end of every (non-sanity) validation epoch the callback generates, for ea
 
     {prefix}/pass@{k}            for every k in `ks` (unbiased estimator, glm_lightning.metrics.pass_at_k)
     {prefix}/greedy_pass         fraction of tasks whose greedy completion passes
+    {prefix}/sampled_exact       passing samples (a count) out of {prefix}/sampled_total = tasks x n
     {prefix}/.../{family}        the same per family, and per role (`rewarded` / `monitor`) when the datamodule
                                  says which families RL trains on
+
+With `evaluate_at_start: true` the same evaluation also runs once before the first training step; its values are
+logged under the same tags at that step (the first point of the curve) and under `start/{tag}` (the "before" value
+of a before -> after comparison, which a later point cannot overwrite).
 
 Tasks come from the datamodule's `eval_tasks(split, per_family, families)` (RLPromptDataModule) unless `families`
 and `per_family` are given here. Under DDP every rank evaluates its share of the tasks (r, r+W, ...); the
@@ -21,6 +26,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers.logger import DummyLogger
 
 from glm_lightning.evaluation import (
     TaskOutcomes,
@@ -56,6 +62,7 @@ class PassAtKCallback(Callback):
         prefix: str = "val",
         verifier_workers: int = 2,
         verifier_timeout_s: float = 2.0,
+        evaluate_at_start: bool = False,
     ) -> None:
         """
         Args:
@@ -70,6 +77,7 @@ class PassAtKCallback(Callback):
             every_n_evals: evaluate on every n-th validation epoch.
             prefix: metric name prefix.
             verifier_workers, verifier_timeout_s: only used when the module has no verifier of its own.
+            evaluate_at_start: also evaluate before training (logged as `start/{tag}` and as the curve's first point).
         """
         super().__init__()
         ks = sorted({int(k) for k in ks})
@@ -87,12 +95,20 @@ class PassAtKCallback(Callback):
         self.split, self.n, self.ks = split, n, ks
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.greedy, self.per_family, self.seed = greedy, per_family, seed
-        self.every_n_evals, self.prefix = every_n_evals, prefix
+        self.every_n_evals, self.prefix, self.evaluate_at_start = every_n_evals, prefix, evaluate_at_start
         self.verifier_settings = VerifierSettings(workers=verifier_workers, timeout_s=verifier_timeout_s)
         self._evals = 0
         self._own: dict[str, Any] = {}
         self.last_results: dict[str, float] = {}
         self.last_outcomes: TaskOutcomes | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.evaluate_at_start:
+            return
+        results = self.evaluate(trainer, pl_module)
+        logger = trainer.logger
+        if logger is not None and not isinstance(logger, DummyLogger) and trainer.is_global_zero:
+            logger.log_metrics({**results, **{f"start/{k}": v for k, v in results.items()}}, step=trainer.global_step)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -140,6 +156,10 @@ class PassAtKCallback(Callback):
             value = float(metric.compute()["pass@1"])
             if not math.isnan(value):
                 results[f"{self.prefix}/greedy_pass{suffix}"] = value
+        if self.n and f"{self.prefix}/pass@1" in results:  # pass@1 is the exact mean of c/n: recover the count
+            total = len(tasks) * self.n
+            results[f"{self.prefix}/sampled_total"] = float(total)
+            results[f"{self.prefix}/sampled_exact"] = float(round(results[f"{self.prefix}/pass@1"] * total))
         self.last_results = results
         return results
 

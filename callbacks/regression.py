@@ -13,8 +13,11 @@
   `{prefix}/flagged` and, with `stop_on_regression: true`, stop training (`trainer.should_stop`).
 - **At the end** of training (after a final measurement when the last evaluation is stale) it writes
   `regression_report.json` and `regression_report.md` into the logger's log_dir (or `output_dir`).
+  `every_n_evals: 0` compares only there (a large evaluation set measured twice, before and after).
 
-Logged per family: `{prefix}/{family}/delta` (greedy), `{prefix}/{family}/p_holm`, and `{prefix}/flagged`.
+Logged per family: `{prefix}/{family}/delta` (greedy), `{prefix}/{family}/p_holm`, and `{prefix}/flagged`. Per role
+(`rewarded`, `monitor`, `all`), at the baseline and at every comparison, the summary rates of the tutorial's
+confirmation table (`summary_rates`): `{prefix}/before/<role>/…` and `{prefix}/after/<role>/…`.
 Under DDP every rank measures its share of the tasks; per-task outcomes are all-gathered, so all ranks compute
 the same report and take the same stop decision. Model-written code only runs inside the sandboxed verifier.
 """
@@ -119,6 +122,42 @@ def _paired_ci(before: Sequence[float], after: Sequence[float], confidence: floa
     return [lo, hi]
 
 
+def summary_counts(measurement: Measurement, roles: dict[str, str], n_samples: int) -> dict[str, dict[str, int]]:
+    """Counts of the tutorial's confirmation table per role (`rewarded`, `monitor`, `all`): `tasks`,
+    `greedy_pass` (tasks whose greedy completion passes) and, with `n_samples` > 0, `samples`, `sampled_exact`
+    (passing samples) and `pass@n` (tasks with at least one passing sample of n). Families without a role count in
+    `all` only."""
+    out: dict[str, dict[str, int]] = {}
+    for fam, m in measurement.items():
+        for group in ("all", roles.get(fam)):
+            if group is None:
+                continue
+            c = out.setdefault(group, {"tasks": 0, "greedy_pass": 0})
+            c["tasks"] += len(m["greedy"])
+            c["greedy_pass"] += int(sum(int(v) for v in m["greedy"]))
+            if n_samples and m.get("sampled"):
+                exact = [round(float(v) * n_samples) for v in m["sampled"]]
+                c["samples"] = c.get("samples", 0) + n_samples * len(exact)
+                c["sampled_exact"] = c.get("sampled_exact", 0) + sum(exact)
+                c[f"pass@{n_samples}"] = c.get(f"pass@{n_samples}", 0) + sum(e > 0 for e in exact)
+    return out
+
+
+def summary_rates(counts: dict[str, dict[str, int]], prefix: str) -> dict[str, float]:
+    """`summary_counts` as rates, keyed `{prefix}/<role>/<measure>`: greedy_pass and pass@n per task,
+    sampled_exact per sample."""
+    rates: dict[str, float] = {}
+    for group, c in counts.items():
+        if c["tasks"]:
+            rates[f"{prefix}/{group}/greedy_pass"] = c["greedy_pass"] / c["tasks"]
+            for key in c:
+                if key.startswith("pass@"):
+                    rates[f"{prefix}/{group}/{key}"] = c[key] / c["tasks"]
+        if c.get("samples"):
+            rates[f"{prefix}/{group}/sampled_exact"] = c["sampled_exact"] / c["samples"]
+    return rates
+
+
 def markdown_report(report: dict[str, Any], title: str = "Regression report") -> str:
     """Human-readable table of a `compare_families` report (plus optional run metadata under report["run"])."""
     conf = report.get("confidence", 0.95)
@@ -191,7 +230,7 @@ class RegressionCallback(Callback):
             alpha: family-wise error rate (Holm). min_effect: smallest drop in greedy pass rate to call a regression.
             confidence, n_boot: interval level and bootstrap draws.
             stop_on_regression: stop training at the first evaluation with a significant regression.
-            every_n_evals: compare on every n-th validation epoch.
+            every_n_evals: compare on every n-th validation epoch; 0 = only once, at the end of training.
             evaluate_at_end: measure once more at the end of training if the last comparison is stale.
             output_dir: where to write the reports (default: the logger's log_dir, else the trainer's root dir).
             seed: sampling/bootstrap seed.
@@ -201,9 +240,11 @@ class RegressionCallback(Callback):
         super().__init__()
         if not 0 < alpha < 1 or not 0 < confidence < 1:
             raise ValueError("alpha and confidence must lie in (0, 1)")
-        if min_effect < 0 or n_samples < 0 or every_n_evals < 1 or n_boot < 1 or max_new_tokens < 1:
-            raise ValueError("need min_effect >= 0, n_samples >= 0, every_n_evals >= 1, n_boot >= 1, "
+        if min_effect < 0 or n_samples < 0 or every_n_evals < 0 or n_boot < 1 or max_new_tokens < 1:
+            raise ValueError("need min_effect >= 0, n_samples >= 0, every_n_evals >= 0, n_boot >= 1, "
                              "max_new_tokens >= 1")
+        if every_n_evals == 0 and not evaluate_at_end:
+            raise ValueError("every_n_evals = 0 compares only at the end: it needs evaluate_at_end = true")
         if split is not None and split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; valid splits: {SPLITS}")
         self.families = list(resolve_families(families)) if families is not None else None
@@ -215,6 +256,7 @@ class RegressionCallback(Callback):
         self.verifier_settings = VerifierSettings(workers=verifier_workers, timeout_s=verifier_timeout_s)
         self.baseline: Measurement | None = None
         self.baseline_step: int | None = None
+        self.last_measurement: Measurement | None = None
         self.history: list[dict[str, Any]] = []
         self.stopped_at: int | None = None
         self._evals = 0
@@ -253,18 +295,31 @@ class RegressionCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.baseline = self.measure(trainer, pl_module)
         self.baseline_step = trainer.global_step
+        self._log_metrics(trainer, {f"{self.prefix}/baseline/{fam}": float(np.mean(m["greedy"]))
+                                    for fam, m in self.baseline.items()})
+        self._log_summary(trainer, self.baseline, "before")
+
+    def _log_metrics(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+        """Straight to the logger (rank zero): also from hooks where `LightningModule.log` is not allowed."""
         logger = trainer.logger
-        if logger is not None and not isinstance(logger, DummyLogger) and trainer.is_global_zero:
-            logger.log_metrics({f"{self.prefix}/baseline/{fam}": float(np.mean(m["greedy"]))
-                                for fam, m in self.baseline.items()}, step=trainer.global_step)
+        if logger is not None and not isinstance(logger, DummyLogger) and trainer.is_global_zero and metrics:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _log_summary(self, trainer: pl.Trainer, measurement: Measurement, when: str) -> None:
+        if when == "after":
+            self.last_measurement = measurement
+        counts = summary_counts(measurement, family_roles(trainer), self.n_samples)
+        self._log_metrics(trainer, summary_rates(counts, f"{self.prefix}/{when}"))
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self.baseline is None:
             return
         self._evals += 1
-        if (self._evals - 1) % self.every_n_evals:
+        if self.every_n_evals == 0 or (self._evals - 1) % self.every_n_evals:
             return
-        report = self.compare(trainer, self.measure(trainer, pl_module))
+        current = self.measure(trainer, pl_module)
+        self._log_summary(trainer, current, "after")
+        report = self.compare(trainer, current)
         self.history.append(report)
         for fam, row in report["families"].items():
             pl_module.log(f"{self.prefix}/{fam}/delta", float(row["delta"]))
@@ -284,7 +339,9 @@ class RegressionCallback(Callback):
         if self.baseline is None:
             return
         if self.evaluate_at_end and (not self.history or self.history[-1]["step"] != trainer.global_step):
-            self.history.append(self.compare(trainer, self.measure(trainer, pl_module)))
+            current = self.measure(trainer, pl_module)
+            self._log_summary(trainer, current, "after")
+            self.history.append(self.compare(trainer, current))
         quiet = bool(getattr(trainer, "fast_dev_run", False)) and not self.output_dir  # fast_dev_run writes nothing
         if trainer.is_global_zero and not quiet:
             self.write_reports(trainer)
@@ -304,7 +361,8 @@ class RegressionCallback(Callback):
         return Path(trainer.default_root_dir)
 
     def write_reports(self, trainer: pl.Trainer) -> Path | None:
-        """Write regression_report.json (baseline, every comparison) and regression_report.md (the last one)."""
+        """Write regression_report.json (baseline and last measurement per task, every comparison) and
+        regression_report.md (the last comparison)."""
         if not self.history:
             return None
         out = self.report_dir(trainer)
@@ -314,6 +372,7 @@ class RegressionCallback(Callback):
                         "stopped early at": self.stopped_at, "split": self.split or "datamodule eval split",
                         "sampled per task": self.n_samples}
         payload = {"baseline_step": self.baseline_step, "baseline": self.baseline, "final": final,
+                   "final_measurement": self.last_measurement, "n_samples": self.n_samples,
                    "history": self.history, "stopped_at": self.stopped_at}
         (out / "regression_report.json").write_text(json.dumps(payload, indent=2, default=_json_default))
         (out / "regression_report.md").write_text(markdown_report(final))

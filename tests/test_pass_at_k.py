@@ -109,3 +109,25 @@ def test_callback_logs_overall_family_and_role_values(one_thread):
     mon = [i for i, t in enumerate(out.tasks) if t.family != "increment"]
     assert logged["val/greedy_pass/monitor"] == pytest.approx(sum(out.greedy[i] for i in mon) / 4)
     assert "val/pass@4/rewarded" in logged and "val/pass@1/reverse" in logged
+
+
+def test_evaluate_at_start_logs_the_before_values_and_counts(one_thread):
+    torch.manual_seed(0)
+    model = GLMModel(GLMConfig.preset("tiny", max_seq_len=192))
+    dm = RLPromptDataModule(train_families=["increment"], monitor_families=[], prompts_per_family=1,
+                            eval_per_family=3)
+    calls = []
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: calls.append((step, dict(metrics))))
+    trainer = SimpleNamespace(datamodule=dm, world_size=1, global_rank=0, sanity_checking=False, logger=logger,
+                              is_global_zero=True, global_step=0)
+    module = SimpleNamespace(model=model, verifier=StubVerifier(), device=torch.device("cpu"))
+    PassAtKCallback(n=2, ks=[1, 2], max_new_tokens=6, temperature=1.0).on_train_start(trainer, module)
+    assert not calls  # off by default
+    cb = PassAtKCallback(n=2, ks=[1, 2], max_new_tokens=6, temperature=1.0, greedy=False, prefix="dev",
+                         evaluate_at_start=True)
+    cb.on_train_start(trainer, module)
+    (step, logged), = calls
+    out = cb.last_outcomes
+    assert step == 0 and logged["start/dev/pass@1"] == logged["dev/pass@1"]
+    assert logged["dev/sampled_total"] == 6 and logged["start/dev/sampled_exact"] == sum(out.correct)
+    assert logged["dev/pass@1"] == pytest.approx(sum(out.correct) / 6)

@@ -111,3 +111,63 @@ def test_bad_arguments():
         RegressionCallback(min_effect=-0.1)
     with pytest.raises(ValueError, match="unknown split"):
         RegressionCallback(split="holdout")
+
+
+def test_summary_counts_and_rates_per_role():
+    from callbacks.regression import summary_counts, summary_rates
+
+    meas = {"increment": outcomes([1, 0, 0, 0], [1.0, 0.125, 0.0, 0.0]),   # 8 + 1 exact samples, 2 tasks any-pass
+            "square": outcomes([1, 1], [0.5, 0.0]),                          # 4 exact samples, 1 task any-pass
+            "other": outcomes([0], [0.25])}                                  # no role: counted in "all" only
+    counts = summary_counts(meas, {"increment": "rewarded", "square": "monitor"}, n_samples=8)
+    assert counts["rewarded"] == {"tasks": 4, "greedy_pass": 1, "samples": 32, "sampled_exact": 9, "pass@8": 2}
+    assert counts["monitor"] == {"tasks": 2, "greedy_pass": 2, "samples": 16, "sampled_exact": 4, "pass@8": 1}
+    assert counts["all"] == {"tasks": 7, "greedy_pass": 3, "samples": 56, "sampled_exact": 15, "pass@8": 4}
+    rates = summary_rates(counts, "regression/after")
+    assert rates["regression/after/rewarded/sampled_exact"] == pytest.approx(9 / 32)
+    assert rates["regression/after/all/pass@8"] == pytest.approx(4 / 7)
+    assert rates["regression/after/monitor/greedy_pass"] == 1.0
+    # greedy only: no sampled measures
+    assert set(summary_counts({"a": outcomes([1, 0])}, {}, 0)["all"]) == {"tasks", "greedy_pass"}
+
+
+class ListLogger:
+    def __init__(self):
+        self.calls = []
+
+    def log_metrics(self, metrics, step):
+        self.calls.append((step, dict(metrics)))
+
+
+def test_compare_only_at_the_end_logs_before_and_after(tmp_path):
+    """every_n_evals = 0: no measurement at validations, one at the end; the summary rates are logged before and
+    after and the final per-task measurement lands in regression_report.json."""
+    cb = RegressionCallback(n_boot=100, every_n_evals=0, output_dir=str(tmp_path))
+    calls = []
+
+    def measure(trainer, pl_module):
+        calls.append(trainer.global_step)
+        return BASE if len(calls) == 1 else NOW
+    cb.measure = measure
+    dm = SimpleNamespace(train_families=("increment",), monitor_families=("square", "list_sum", "reverse"))
+    logger = ListLogger()
+    trainer = SimpleNamespace(global_step=0, sanity_checking=False, should_stop=False, logger=logger,
+                              is_global_zero=True, default_root_dir=str(tmp_path), datamodule=dm)
+    module = SimpleNamespace(log=lambda *a, **kw: None)
+    cb.on_train_start(trainer, module)
+    trainer.global_step = 5
+    cb.on_validation_epoch_end(trainer, module)
+    trainer.global_step = 9
+    cb.on_validation_epoch_end(trainer, module)
+    assert calls == [0]  # validations measure nothing
+    cb.on_train_end(trainer, module)
+    assert calls == [0, 9]
+    logged = {k: v for _, m in logger.calls for k, v in m.items()}
+    assert logged["regression/before/rewarded/greedy_pass"] == 0.0
+    assert logged["regression/after/rewarded/greedy_pass"] == 1.0
+    assert logged["regression/before/monitor/greedy_pass"] == pytest.approx(12 / 24)
+    assert logged["regression/after/monitor/greedy_pass"] == pytest.approx(4 / 24)
+    data = json.loads((tmp_path / "regression_report.json").read_text())
+    assert data["final_measurement"] == NOW and data["n_samples"] == 0 and data["final"]["step"] == 9
+    with pytest.raises(ValueError, match="evaluate_at_end"):
+        RegressionCallback(every_n_evals=0, evaluate_at_end=False)

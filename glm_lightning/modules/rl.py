@@ -115,6 +115,23 @@ class RLModule(StageModule):
         if loss.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
         self._rollout_steps = self._groups_skipped = self._groups_seen = self._verifier_failures = 0
+        self._fit_t0: float | None = None
+
+    # --- the run's wall time ---------------------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        self._fit_t0 = time.perf_counter()
+
+    def on_train_end(self) -> None:
+        """Print and log (`time/run_s`) the run's wall time so far: start-of-training evaluations, training and the
+        callbacks' end-of-training evaluations (their `on_train_end` runs before the module's)."""
+        if self._fit_t0 is None:
+            return
+        wall = time.perf_counter() - self._fit_t0
+        if self.trainer.is_global_zero:
+            print(f"RL run wall time: {wall:.1f} s ({wall / 60:.1f} min), {self.global_step} optimizer steps, "
+                  f"{self._groups_seen - self._groups_skipped}/{self._groups_seen} groups updated", flush=True)
+            if self.logger is not None and not isinstance(self.logger, DummyLogger):
+                self.logger.log_metrics({"time/run_s": wall}, step=self.global_step)
 
     # --- step 1: rollouts ------------------------------------------------------------------------------------------
     def rollout(self, tasks: Sequence[Task], generator: torch.Generator | None = None) -> Rollouts:
