@@ -123,7 +123,7 @@ def test_the_shipped_study_validates(tmp_path, monkeypatch, capsys):
     from glm_lightning.sweep.cli import run_sweep
 
     monkeypatch.chdir(tmp_path)
-    ckpt = tmp_path / "lightning_logs/pretrain/version_0/checkpoints/every/step100.ckpt"
+    ckpt = tmp_path / "lightning_logs/pretrain/version_0/checkpoints/every/step80.ckpt"
     ckpt.parent.mkdir(parents=True)
     cfg = GLMConfig.preset("flash-25m")
     state = {f"model.{k}": v for k, v in GLMModel(cfg).state_dict().items()}
