@@ -235,7 +235,8 @@ def render(rows: Sequence[Row], generated: str) -> str:
             if r.claim.earlier:
                 parts.append(f"earlier, smaller run: {r.claim.earlier}")
             lines.append(f"{i}. {'; '.join(parts)}.")
-    lines += ["", "Per-study reports (per-seed values, secondary metrics, charts): "
+    lines += ["", "Per-study reports (the latest committed run of each study, whatever its size: see its Setup section; "
+              "per-seed values, secondary metrics, charts): "
               + ", ".join(f"[{s}]({s}.md)" for s in dict.fromkeys(r.study.name for r in rows)) + ".",
               "", f"_Generated {generated}._", ""]
     return "\n".join(lines)
