@@ -82,6 +82,20 @@ def test_sweep_runs_every_variant_and_seed_and_writes_report(tiny_sweep):
         assert f"]({chart})" in report
 
 
+def test_results_file_saves_every_finished_run(tiny_sweep):
+    """results.json (what `sweep findings` reads and commits) holds each run's fingerprint and final metrics."""
+    outcome, out = tiny_sweep
+    saved = json.loads((out / "sweep_tiny" / "results.json").read_text())
+    assert saved["study"] == "sweep_tiny" and saved["workers"] == 2 and saved["ran_now"] == 4
+    assert saved["elapsed_s"] > 0 and "sweep_tiny.yaml" in saved["command"]
+    by_key = {(r["variant"], r["seed"]): r for r in saved["runs"]}
+    assert set(by_key) == set(RUNS)
+    for variant, seed in RUNS:
+        done = _done(out, variant, seed)
+        assert by_key[variant, seed]["fingerprint"] == done["fingerprint"]
+        assert by_key[variant, seed]["final"] == {t: done["final"][t] for t in ("val/completion_acc", "val/loss")}
+
+
 def test_hparams_view_has_one_entry_per_run(tiny_sweep):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -5,7 +5,9 @@
 - `events`: reading TensorBoard scalars back;
 - `analysis`: per-variant t-intervals, paired bootstrap + exact sign-flip tests against the control, Holm;
 - `report`: REPORT.md, charts, TensorBoard hparams;
-- `cli`: `main(argv)` / `run_sweep(argv)`.
+- `cli`: `main(argv)` / `run_sweep(argv)`;
+- `claims`: the tutorial's claims a study tests and the verdict rule;
+- `findings`: `sweep findings`, the one findings table (docs/results/README.md) from saved results.
 
 See docs/sweeps.md.
 """

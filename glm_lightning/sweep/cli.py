@@ -1,5 +1,6 @@
 """`python -m glm_lightning sweep --config configs/experiments/<study>.yaml [--workers N] [--seeds N] [--dry-run]
-[--out DIR] [--backend local|ray] [--set KEY=VALUE ...]`.
+[--out DIR] [--backend local|ray] [--set KEY=VALUE ...]`; `python -m glm_lightning sweep findings [--runs DIR]`
+writes the findings table (docs/results/README.md, `glm_lightning.sweep.findings`).
 
 Exit status: 0 when every run finished, 1 when some run failed (the report is still written from the others),
 2 when the study file or its config is unusable (nothing or only the first run was launched), 130 when stopped
@@ -151,7 +152,9 @@ def run_sweep(argv: list[str], log=print) -> SweepOutcome:  # noqa: ANN001
 def write_outputs(outcome: SweepOutcome, reproduce: str, elapsed_s: float | None = None,
                   workers: int | None = None) -> None:
     from glm_lightning.sweep.analysis import analyse, load_curves
-    from glm_lightning.sweep.report import TRAIN_CURVE_TAG, plot_curves, plot_paired, write_hparams, write_report
+    from glm_lightning.sweep.findings import RESULTS_FILE, results_payload, write_results
+    from glm_lightning.sweep.report import (TRAIN_CURVE_TAG, git_revision, plot_curves, plot_paired, write_hparams,
+                                            write_report)
 
     study, out_dir, results = outcome.study, outcome.out_dir, outcome.results
     analyses = analyse(study, results)
@@ -166,6 +169,8 @@ def write_outputs(outcome: SweepOutcome, reproduce: str, elapsed_s: float | None
         write_hparams(study, results, out_dir)
     outcome.charts = charts
     outcome.report = write_report(study, analyses, results, charts, out_dir, reproduce, 0, elapsed_s, workers)
+    write_results(out_dir / RESULTS_FILE, results_payload(study, results, reproduce, elapsed_s, workers,
+                                                          git_revision()))
     for a in analyses[:1]:
         for c in a.comparisons:
             print(f"[sweep] {a.metric.tag}: {c.verdict}")
@@ -177,6 +182,15 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["findings"]:
+        from glm_lightning.sweep.findings import main as findings_main
+
+        try:
+            findings_main(argv[1:])
+        except StudyError as err:
+            print(f"sweep findings: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return
     old = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         outcome = run_sweep(argv)

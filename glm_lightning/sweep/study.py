@@ -17,6 +17,8 @@ A study YAML (see `docs/sweeps.md`):
       - val/loss                                  # strings: lower is better for */loss, */bpb, */ppl
     budget: ...                                   # free text (why this size), shown in the report
     tutorial: ...                                 # free markdown: the numbers to compare with
+    expected_minutes: 28                          # optional: wall minutes of the whole study with --workers 2
+    claims: [...]                                 # optional: the tutorial's claims it tests (`sweep.claims`)
 
 Validation happens at load time (`load_study`) for the file itself, and in `validate_config` by parsing the base
 config plus every variant's overrides with the project's LightningCLI parser and instantiating the model, data and
@@ -36,12 +38,14 @@ from typing import Any
 
 import yaml
 
+from glm_lightning.sweep.claims import Claim, parse_claims
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SEED_KEYS = ("seed_everything", "data.init_args.seed")
 LOWER_IS_BETTER_SUFFIXES = ("loss", "bpb", "ppl", "perplexity")
 KNOWN_KEYS = {
     "name", "description", "base", "overrides", "variable", "values", "variants", "control", "seeds", "seed_keys",
-    "metrics", "higher_is_better", "budget", "tutorial",
+    "metrics", "higher_is_better", "budget", "tutorial", "claims", "expected_minutes",
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -88,6 +92,8 @@ class Study:
     tutorial: str = ""
     seeds_from_count: bool = True
     raw: dict[str, Any] = field(default_factory=dict)
+    claims: list[Claim] = field(default_factory=list)
+    expected_minutes: float | None = None
 
     @property
     def primary(self) -> Metric:
@@ -313,11 +319,20 @@ def load_study(path: str | Path, seeds: int | None = None) -> Study:
     if not isinstance(seed_keys, list) or not all(isinstance(k, str) and _KEY_RE.match(k) for k in seed_keys):
         raise StudyError(f"{path}: `seed_keys` must be a list of dotted config keys")
     metrics = _parse_metrics(path, raw["metrics"], raw.get("higher_is_better"))
+    try:
+        claims = parse_claims(path, raw.get("claims"), names, control, [m.tag for m in metrics])
+    except ValueError as err:
+        raise StudyError(str(err)) from None
+    expected = raw.get("expected_minutes")
+    if expected is not None and (isinstance(expected, bool) or not isinstance(expected, (int, float))
+                                 or expected <= 0):
+        raise StudyError(f"{path}: `expected_minutes` must be a positive number (wall minutes with 2 workers)")
     study = Study(
         name=name, path=path, base=base, overrides=overrides, variable=variable, variants=variants,
         control=control, seeds=seed_list, metrics=metrics, seed_keys=tuple(seed_keys),
         description=str(raw.get("description") or "").strip(), budget=str(raw.get("budget") or "").strip(),
-        tutorial=str(raw.get("tutorial") or "").strip(), seeds_from_count=from_count, raw=raw,
+        tutorial=str(raw.get("tutorial") or "").strip(), seeds_from_count=from_count, raw=raw, claims=claims,
+        expected_minutes=None if expected is None else float(expected),
     )
     if seeds is not None:
         study = study.with_seed_count(seeds)

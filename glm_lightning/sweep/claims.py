@@ -1,0 +1,172 @@
+"""The tutorial's claims a study tests, and the rule that turns our paired comparison into a verdict.
+
+A study file lists them under `claims:` (see docs/sweeps.md), each comparing one variant with the study's control
+on the primary metric (or `metric:`), in the metric's display units (value x scale, e.g. points):
+
+    claims:
+      - claim: interleaved beats blocked (same examples, same steps)
+        variant: interleaved
+        tutorial: {effect: 9.7, ci: [7.6, 11.7], p: 0.00195, n: 10 paired seeds}
+      - claim: a curriculum 8 -> 88 structures gives no gain over diverse data
+        variant: curriculum
+        tutorial: {effect: -0.6, ci: [-1.4, 0.3], p: 0.2148, n: 10 paired seeds}
+        margin: 2.0            # null claims only: the smallest difference that would matter
+
+The verdict rule (`judge`), stated once so the findings table and its tests use the same words:
+
+- **Effect claims** (the tutorial's p < 0.05): *reproduced* when our difference has the tutorial's sign and our p
+  < 0.05 (noting when our 95% CI excludes the tutorial's size); *refuted* when it has the opposite sign with
+  p < 0.05, or when it is not significant and our CI excludes the tutorial's effect (an effect that large is ruled
+  out); otherwise *inconclusive*: "underpowered" when no effect up to the tutorial's size reaches 80% power at our
+  n (MDE infinite or larger than the tutorial's effect), else "no effect larger than ±MDE detected".
+- **Null claims** (the tutorial's p >= 0.05, "no difference"): *refuted* when our p < 0.05; *reproduced* when our
+  p >= 0.05 and our 95% CI lies inside ±margin (differences that would matter are ruled out); otherwise
+  *inconclusive* ("underpowered" or "no effect larger than ±MDE detected, but the CI reaches beyond ±margin").
+
+Our p is Holm-adjusted when the study makes several comparisons (as in its report); the CI is the per-comparison
+interval that inverts the exact sign-flip test.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ALPHA = 0.05
+CLAIM_KEYS = {"claim", "variant", "tutorial", "margin", "metric", "measure", "earlier"}
+TUTORIAL_KEYS = {"effect", "ci", "p", "n", "text"}
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One published result of the tutorial, as `variant - control` in the metric's display units."""
+
+    claim: str
+    variant: str
+    effect: float
+    p: float
+    n: str
+    ci: tuple[float, float] | None = None
+    text: str = ""
+    margin: float | None = None
+    metric: str | None = None
+    measure: str = ""
+    earlier: str = ""
+
+    @property
+    def is_null(self) -> bool:
+        """The tutorial found no significant difference."""
+        return self.p >= ALPHA
+
+
+@dataclass(frozen=True)
+class Verdict:
+    word: str  # reproduced / refuted / inconclusive
+    why: str
+
+
+def _number(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} must be a number, got {value!r}")
+    return float(value)
+
+
+def parse_claims(path: Path, raw: Any, variants: list[str], control: str, tags: list[str]) -> list[Claim]:
+    """The study's `claims:` entries, checked against its variants and metrics (ValueError names the entry)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ValueError(f"{path}: `claims` must be a list of {{claim, variant, tutorial}} entries")
+    out = []
+    for i, entry in enumerate(raw):
+        where = f"{path}: claims[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} must be a mapping with claim, variant and tutorial")
+        extra = set(entry) - CLAIM_KEYS
+        missing = {"claim", "variant", "tutorial"} - set(entry)
+        if extra or missing:
+            raise ValueError(f"{where}: unknown key(s) {sorted(extra)}, missing {sorted(missing)}; "
+                             f"allowed: {sorted(CLAIM_KEYS)}")
+        variant = str(entry["variant"])
+        if variant not in variants or variant == control:
+            raise ValueError(f"{where}: variant {variant!r} must be one of the non-control variants "
+                             f"{[v for v in variants if v != control]}")
+        metric = entry.get("metric")
+        if metric is not None and metric not in tags:
+            raise ValueError(f"{where}: metric {metric!r} is not one of the study's metrics {tags}")
+        tut = entry["tutorial"]
+        if not isinstance(tut, dict) or not {"effect", "p", "n"} <= set(tut) or set(tut) - TUTORIAL_KEYS:
+            raise ValueError(f"{where}: tutorial must be {{effect, p, n[, ci, text]}}, got {tut!r}")
+        p = _number(f"{where}: tutorial.p", tut["p"])
+        if not 0 < p <= 1:
+            raise ValueError(f"{where}: tutorial.p must be in (0, 1], got {p}")
+        ci = tut.get("ci")
+        if ci is not None:
+            if not (isinstance(ci, list) and len(ci) == 2):
+                raise ValueError(f"{where}: tutorial.ci must be [low, high]")
+            ci = (_number(f"{where}: tutorial.ci", ci[0]), _number(f"{where}: tutorial.ci", ci[1]))
+        margin = entry.get("margin")
+        if p >= ALPHA and margin is None:
+            raise ValueError(f"{where}: a null claim (tutorial p >= {ALPHA}) needs `margin`, the smallest "
+                             f"difference that would matter, in display units")
+        if margin is not None and _number(f"{where}: margin", margin) <= 0:
+            raise ValueError(f"{where}: margin must be > 0")
+        out.append(Claim(str(entry["claim"]).strip(), variant, _number(f"{where}: tutorial.effect", tut["effect"]),
+                         p, str(tut["n"]), ci, str(tut.get("text", "")).strip(),
+                         None if margin is None else float(margin), metric, str(entry.get("measure", "")).strip(),
+                         str(entry.get("earlier", "")).strip()))
+    return out
+
+
+def _fmt(x: float) -> str:
+    return f"{x:+.1f}"
+
+
+def _power_note(mde: float, reference: float) -> str | None:
+    """Why the study could not tell, or None when it had power for effects of size `reference`."""
+    if math.isnan(mde):
+        return "MDE not computable"
+    if math.isinf(mde):
+        return "underpowered: too few seeds for p < 0.05"
+    if mde > reference:
+        return f"underpowered: MDE ±{mde:.1f} exceeds {reference:.1f}"
+    return None
+
+
+def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float) -> Verdict:
+    """The verdict for our `diff` [lo, hi] (display units), p (Holm-adjusted if several comparisons) and MDE at 80%
+    power, by the rule in the module docstring. NaN p (no paired seeds) raises: a missing run is not a verdict."""
+    if math.isnan(p):
+        raise ValueError("no paired result to judge")
+    has_ci = math.isfinite(lo) and math.isfinite(hi)
+    significant = p < ALPHA
+    if claim.is_null:
+        margin = float(claim.margin or 0.0)
+        if significant:
+            return Verdict("refuted", f"a difference of {_fmt(diff)} where the tutorial found none")
+        if has_ci and -margin <= lo and hi <= margin:
+            return Verdict("reproduced", f"no difference: the 95% CI lies inside ±{margin:g}")
+        weak = _power_note(mde, margin)
+        if weak:
+            return Verdict("inconclusive", weak)
+        return Verdict("inconclusive", f"no effect larger than ±{mde:.1f} detected; the CI reaches beyond "
+                                       f"±{margin:g}")
+    same_sign = (diff > 0) == (claim.effect > 0) and diff != 0
+    excludes = has_ci and not lo <= claim.effect <= hi
+    if significant and same_sign:
+        size = ""
+        if excludes:
+            size = "; smaller than the tutorial's" if abs(diff) < abs(claim.effect) else "; larger than the tutorial's"
+            size += f" (our CI excludes {_fmt(claim.effect)})"
+        return Verdict("reproduced", "same direction, p < 0.05" + size)
+    if significant:
+        return Verdict("refuted", f"the opposite direction ({_fmt(diff)}), p < 0.05")
+    if excludes:
+        return Verdict("refuted", f"an effect as large as the tutorial's is ruled out: our CI excludes "
+                                  f"{_fmt(claim.effect)}")
+    weak = _power_note(mde, abs(claim.effect))
+    if weak:
+        return Verdict("inconclusive", weak)
+    return Verdict("inconclusive", f"no effect larger than ±{mde:.1f} detected")

@@ -1,0 +1,291 @@
+"""The one findings table: `python -m glm_lightning sweep findings` writes docs/results/README.md, one row per claim
+of the tutorial (`claims:` in the study files), from the studies' saved results; a claim whose study has no run of
+the shipped settings reads "not run".
+
+Where the results come from, per study (only runs whose fingerprint matches the study as shipped count, so a quick
+`--set` run or a run of an older config never enters the table):
+1. the sweep's output `<runs>/<study>/<variant>/seed<k>/DONE.json` (`--runs`, default runs/sweeps), with the
+   invocation's wall time from `<runs>/<study>/results.json`;
+2. else the committed copy `docs/results/data/<study>.json`, which this command refreshes from 1 whenever 1 has
+   results, so the table can be regenerated without the (git-ignored) runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glm_lightning.stats import format_p
+from glm_lightning.sweep.analysis import Comparison, analyse
+from glm_lightning.sweep.claims import Claim, Verdict, judge
+from glm_lightning.sweep.runner import RunResult, RunSpec, plan_runs, read_done
+from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError, load_study
+
+RESULTS_FILE = "results.json"
+EXPERIMENTS = REPO_ROOT / "configs" / "experiments"
+STUDIES = ("ordering", "diversity", "curriculum", "rl_reward", "rl_invalid_penalty", "rl_temperature",
+           "rl_group_size")
+"""The studies of the table, in its order (each must have `claims:`)."""
+WORKERS = 2
+
+
+# --- saved results ---------------------------------------------------------------------------------------------------
+def results_payload(study: Study, results: Sequence[RunResult], command: str, elapsed_s: float | None,
+                    workers: int | None, git: str = "") -> dict[str, Any]:
+    """What a sweep saves next to its report: per finished run its fingerprint, the final value of every study
+    metric and its wall time, plus how the invocation ran. Small enough to commit."""
+    tags = [m.tag for m in study.metrics]
+    runs = [{"variant": r.spec.variant, "seed": r.spec.seed, "fingerprint": r.spec.fingerprint,
+             "final": {t: r.final[t] for t in tags if t in r.final}, "wall_s": round(r.wall_s, 2)}
+            for r in results if r.ok]
+    return {"study": study.name, "written": time.strftime("%Y-%m-%d %H:%M"), "git": git, "command": command,
+            "elapsed_s": None if elapsed_s is None else round(elapsed_s, 1), "workers": workers,
+            "ran_now": sum(r.status == "done" for r in results), "runs": runs}
+
+
+def write_results(path: Path, payload: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass
+class StudyResults:
+    """The finished runs of the shipped study found in one source."""
+
+    study: Study
+    results: list[RunResult] = field(default_factory=list)
+    source: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+    stale: int = 0  # saved runs of other settings (ignored)
+
+    @property
+    def total(self) -> int:
+        return len(self.study.variants) * len(self.study.seeds)
+
+    @property
+    def finished(self) -> int:
+        return len(self.results)
+
+
+def from_runs(study: Study, runs_root: Path) -> StudyResults:
+    """Finished runs in the sweep's output directory whose settings are the shipped study's."""
+    out = StudyResults(study, source=str(runs_root / study.name))
+    for spec in plan_runs(study, runs_root):
+        done = read_done(spec)
+        if done is not None:
+            out.results.append(RunResult(spec, "skipped", done.get("final", {}), done.get("steps", {}),
+                                         float(done.get("wall_s", 0.0))))
+    meta = _read_json(runs_root / study.name / RESULTS_FILE)
+    if meta is not None:
+        out.meta = {k: v for k, v in meta.items() if k != "runs"}
+    return out
+
+
+def from_saved(study: Study, path: Path, runs_root: Path) -> StudyResults:
+    """Runs recorded in a saved results file (e.g. docs/results/data/<study>.json) that match the shipped study."""
+    out = StudyResults(study, source=str(path))
+    data = _read_json(path)
+    if data is None:
+        return out
+    specs: dict[tuple[str, int, str], RunSpec] = {(s.variant, s.seed, s.fingerprint): s
+                                                  for s in plan_runs(study, runs_root)}
+    for run in data.get("runs", []):
+        spec = specs.get((run.get("variant"), run.get("seed"), run.get("fingerprint")))
+        if spec is None:
+            out.stale += 1
+            continue
+        out.results.append(RunResult(spec, "skipped", dict(run.get("final", {})), {}, float(run.get("wall_s", 0))))
+    out.meta = {k: v for k, v in data.items() if k != "runs"}
+    return out
+
+
+def collect(study: Study, runs_root: Path, data_dir: Path) -> StudyResults:
+    """The study's results: the runs directory when it has any matching run, else the saved copy."""
+    live = from_runs(study, runs_root)
+    if live.results:
+        return live
+    return from_saved(study, data_dir / f"{study.name}.json", runs_root)
+
+
+# --- one row per claim -----------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    claim: Claim
+    study: Study
+    ours: str
+    verdict: str
+    command: str
+    wall: str
+    comparison: Comparison | None = None
+    judged: Verdict | None = None
+
+
+def _tutorial_cell(c: Claim) -> str:
+    ci = f" [{c.ci[0]:+.1f}, {c.ci[1]:+.1f}]" if c.ci else ""
+    text = f"{c.effect:+.1f}{ci}, p={format_p(c.p)}, n={c.n}"
+    return f"{text}; {c.text}" if c.text else text
+
+
+def _command(study: Study) -> str:
+    return f"`python -m glm_lightning sweep --config {_rel(study.path)} --workers {WORKERS}`"
+
+
+def _wall(found: StudyResults) -> str:
+    """The wall time the study took (or would take with 2 workers, from its run times)."""
+    walls = [r.wall_s for r in found.results if r.wall_s > 0]
+    meta = found.meta
+    if meta.get("elapsed_s") and meta.get("ran_now") == found.total and found.finished == found.total:
+        took = f"{meta['elapsed_s'] / 60:.0f} min with {meta.get('workers')} workers"
+    elif walls:
+        took = f"≈{sum(walls) / WORKERS / 60:.0f} min with {WORKERS} workers (sum of run times / {WORKERS})"
+    else:
+        return "n/a"
+    return took + (f"; median {statistics.median(walls):.0f} s per run" if walls else "")
+
+
+def _expected(study: Study) -> str:
+    return f"expected ≈{study.expected_minutes:g} min" if study.expected_minutes else "n/a"
+
+
+def claim_row(claim: Claim, found: StudyResults) -> Row:
+    """Our side of one claim: the paired comparison of the claim's variant with the control, judged."""
+    study = found.study
+    command = _command(study)
+    if not found.results:
+        why = "not run"
+        if found.stale:
+            why += f" (the {found.stale} saved runs are of other settings)"
+        return Row(claim, study, why, "not run", command, _expected(study))
+    analyses = analyse(study, found.results)
+    analysis = next(a for a in analyses if a.metric.tag == (claim.metric or study.primary.tag))
+    comp = next(c for c in analysis.comparisons if c.variant == claim.variant)
+    partial = "" if found.finished == found.total else f"; partial: {found.finished}/{found.total} runs"
+    if comp.n == 0:
+        return Row(claim, study, f"no paired seeds yet{partial}", "not run", command, _wall(found), comp)
+    scale = analysis.metric.scale
+    several = len(analysis.comparisons) > 1
+    p = comp.p_holm if several else comp.p
+    diff, lo, hi, mde = comp.mean_diff * scale, comp.lo * scale, comp.hi * scale, comp.mde * scale
+    ci = f"[{lo:+.1f}, {hi:+.1f}]" if math.isfinite(lo) and math.isfinite(hi) else "no CI (n ≤ 5: exact test only)"
+    power = f"MDE ±{mde:.1f}" if math.isfinite(mde) else "no MDE (underpowered)" if math.isinf(mde) else "MDE n/a"
+    ours = f"{diff:+.1f} {ci}, p={format_p(p)}{' (Holm)' if several else ''}, n={comp.n} seeds, {power}"
+    verdict = judge(claim, diff, lo, hi, p, mde)
+    word = verdict.word if not partial else f"{verdict.word} (so far)"
+    return Row(claim, study, ours + partial, f"**{word}**: {verdict.why}", command, _wall(found), comp, verdict)
+
+
+# --- the README ------------------------------------------------------------------------------------------------------
+HEADER = """# Findings: which of the tutorial's claims hold here
+
+Generated by `python -m glm_lightning sweep findings` from the studies' saved results (do not edit by hand). "The
+tutorial" is the freeCodeCamp course "Build & Train a GLM-5.3-Flash Model From Scratch with Python" and its
+repository (see the top-level README); its numbers are quoted from its reports.
+
+Every row compares one variant with its study's control on matched seeds, in points (percentage points) of the
+study's primary metric: held-out byte accuracy for the data studies, pass@1 on the rewarded families for the RL
+studies (the tutorial's RL screen counted greedy dev tasks solved out of 20, one seed; its effects are converted to
+points). Ours: mean paired difference, its 95% CI (the inversion of the exact sign-flip test), the exact sign-flip p
+(Holm-adjusted across a study's comparisons when it has several), the number of paired seeds, and the minimum
+detectable effect (MDE) at 80% power for that n. The RL studies start from the demo's pre-training checkpoint:
+run `python -m glm_lightning demo --stages pretrain` once first.
+
+**Verdict rule.**
+- Claims of an effect (the tutorial's p < 0.05): **reproduced** when our difference has the tutorial's sign and
+  p < 0.05; **refuted** when it has the opposite sign with p < 0.05, or when it is not significant and our 95% CI
+  excludes the tutorial's effect; otherwise **inconclusive**: "underpowered" when our MDE exceeds the tutorial's
+  effect (or no p < 0.05 is possible at our n), else "no effect larger than ±MDE detected".
+- Claims of no difference (the tutorial's p >= 0.05): **refuted** when our p < 0.05; **reproduced** when our
+  p >= 0.05 and our 95% CI lies inside ± the claim's margin (the smallest difference that would matter, stated per
+  row); otherwise **inconclusive** ("underpowered" when the MDE exceeds the margin).
+- A study without finished runs of its shipped settings shows **not run**; a partly finished one says so.
+"""
+
+
+def render(rows: Sequence[Row], generated: str) -> str:
+    lines = [HEADER, "| # | claim | tutorial (effect, p) | ours (effect, 95% CI, p, n) | verdict | command | wall time |",
+             "|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        cells = [str(i), r.claim.claim, _tutorial_cell(r.claim), r.ours, r.verdict, r.command, r.wall]
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    notes = [(i, r) for i, r in enumerate(rows, 1) if r.claim.measure or r.claim.earlier or r.claim.margin]
+    if notes:
+        lines += ["", "## Notes per row", ""]
+        for i, r in notes:
+            parts = []
+            if r.claim.measure:
+                parts.append(r.claim.measure)
+            if r.claim.margin:
+                parts.append(f"margin for \"no difference\": ±{r.claim.margin:g} points")
+            if r.claim.earlier:
+                parts.append(f"earlier, smaller run: {r.claim.earlier}")
+            lines.append(f"{i}. {'; '.join(parts)}.")
+    lines += ["", "Per-study reports (the latest committed run of each study, whatever its size: see its Setup section; "
+              "per-seed values, secondary metrics, charts): "
+              + ", ".join(f"[{s}]({s}.md)" for s in dict.fromkeys(r.study.name for r in rows)) + ".",
+              "", f"_Generated {generated}._", ""]
+    return "\n".join(lines)
+
+
+def build_rows(studies: Sequence[Study], runs_root: Path, data_dir: Path,
+               save: bool = True) -> tuple[list[Row], list[StudyResults]]:
+    """The table's rows; with `save`, refreshes data_dir/<study>.json from the runs directory when it has runs."""
+    rows, found_all = [], []
+    for study in studies:
+        found = collect(study, runs_root, data_dir)
+        found_all.append(found)
+        if save and found.results and found.source == str(runs_root / study.name):
+            payload = results_payload(study, found.results, found.meta.get("command", ""),
+                                      found.meta.get("elapsed_s"), found.meta.get("workers"), found.meta.get("git", ""))
+            payload["ran_now"] = found.meta.get("ran_now", 0)
+            write_results(data_dir / f"{study.name}.json", payload)
+        rows += [claim_row(c, found) for c in study.claims]
+    return rows, found_all
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def main(argv: Sequence[str] | None = None, log=print) -> Path:  # noqa: ANN001
+    p = argparse.ArgumentParser(prog="python -m glm_lightning sweep findings",
+                                description="Write the findings table (docs/results/README.md) from saved results.")
+    p.add_argument("--runs", default="runs/sweeps", help="the sweeps' output root (default runs/sweeps)")
+    p.add_argument("--data", default=str(REPO_ROOT / "docs" / "results" / "data"),
+                   help="committed per-study results (read when a study has no runs; refreshed from the runs)")
+    p.add_argument("--out", default=str(REPO_ROOT / "docs" / "results" / "README.md"))
+    p.add_argument("--studies", nargs="*", default=None,
+                   help="study files (default: " + ", ".join(f"{s}.yaml" for s in STUDIES) + ")")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    paths = [Path(s) for s in args.studies] if args.studies else [EXPERIMENTS / f"{s}.yaml" for s in STUDIES]
+    studies = [load_study(path) for path in paths]
+    for study in studies:
+        if not study.claims:
+            raise StudyError(f"{study.path}: no `claims:` to put in the findings table")
+    rows, found = build_rows(studies, Path(args.runs).resolve(), Path(args.data))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(rows, time.strftime("%Y-%m-%d %H:%M")))
+    for f in found:
+        log(f"[findings] {f.study.name}: {f.finished}/{f.total} runs of the shipped settings"
+            + (f" from {_rel(Path(f.source))}" if f.results else "") + (f", {f.stale} stale" if f.stale else ""))
+    log(f"[findings] wrote {out}")
+    return out
