@@ -56,7 +56,6 @@ State and gate math are fp32 (fp64 inputs to the pure functions stay fp64, for g
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -66,6 +65,7 @@ from torch import Tensor, nn
 
 from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
+from glm_lightning.model.kda_chunk import KDAChunkFunction, scan, scan_backward
 from glm_lightning.model.norm import RMSNorm
 
 __all__ = ["KDACache", "KDAttention", "StateScan", "kda_chunked", "kda_recurrent"]
@@ -91,23 +91,6 @@ def _n_row_blocks(C: int, gate_bound: float, max_rows: int = 16) -> int:
     while C % ns or C // ns > max_rows or (C // ns - 1) * gate_bound > _EXP_LIMIT:
         ns += 1
     return ns
-
-
-@functools.lru_cache(maxsize=64)
-def _tril(C: int, diagonal: int, device: torch.device) -> Tensor:
-    """[C, C] bool, True on and below the given diagonal (cached; built with arange, bool tril is slow on CPU)."""
-    with torch.inference_mode(False):  # a normal tensor even if first built while decoding (autograd may save it)
-        i = torch.arange(C, device=device)
-        return i[:, None] - i[None, :] >= -diagonal
-
-
-@functools.lru_cache(maxsize=64)
-def _future_cols(ns: int, s: int, device: torch.device) -> Tensor:
-    """[ns, C, 1] bool: column j lies after the end of row block a (cached)."""
-    with torch.inference_mode(False):
-        j = torch.arange(ns * s, device=device)
-        a_end = (torch.arange(ns, device=device) + 1) * s
-        return (j[None, :] >= a_end[:, None]).unsqueeze(-1)
 
 
 def kda_recurrent(
@@ -151,26 +134,14 @@ class StateScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, P: Tensor, R: Tensor, S0: Tensor, fused: bool = False) -> Tensor:
         ctx.fused = fused
-        if fused:
-            S_all = torch.ops.glm_lightning.state_scan(P, R, S0)
-        else:
-            N = P.shape[0]
-            S_all = R.new_empty(N + 1, *S0.shape)
-            S_all[0] = S0
-            for n in range(N):
-                torch.baddbmm(R[n], P[n], S_all[n], out=S_all[n + 1])
+        S_all = scan(P, R, S0, fused)
         ctx.save_for_backward(P, S_all)
         return S_all
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         P, S_all = ctx.saved_tensors
-        if ctx.fused:
-            g = torch.ops.glm_lightning.state_scan_backward(grad, P)
-        else:
-            g = grad.clone()
-            for n in reversed(range(P.shape[0])):
-                g[n].baddbmm_(P[n].transpose(1, 2), g[n + 1])
+        g = scan_backward(grad, P, ctx.fused)
         g_next = g[1:]
         return torch.matmul(g_next, S_all[:-1].transpose(-1, -2)), g_next, g[0], None
 
@@ -200,59 +171,18 @@ def kda_chunked(
     S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
     if T == 0:
         return v.new_zeros(B, 0, H, V, dtype=dt), S
-    C = chunk_size
-    pad = (-T) % C
     q, k, v, g, beta = (x if x.dtype == dt else x.to(dt) for x in (q, k, v, g, beta))
-    if pad:  # identity steps: g = 0, beta = 0, k = 0 (q, v = 0 too; their outputs are dropped)
-        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-        beta = F.pad(beta, (0, 0, 0, pad))
-    N = (T + pad) // C
-
-    # Chunk-major layout [N, B, H, C, D], materialised once: every later op runs on contiguous memory and every
-    # chunk's slice is contiguous for the hand-off loop.
-    def chunks(x: Tensor) -> Tensor:  # [B, N*C, H, D] -> [N, B, H, C, D]
-        return x.reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).contiguous()
-
-    q, k, v, g = chunks(q), chunks(k), chunks(v), chunks(g)
-    beta = beta.reshape(B, N, C, H).permute(1, 0, 3, 2).unsqueeze(-1).contiguous()  # [N, B, H, C, 1]
-
-    G = g.cumsum(-2)                                                    # inclusive, [N, B, H, C, K]
-    G_last = G[..., -1:, :]                                             # [N, B, H, 1, K]
     # Factorised exp(G_i - G_j) = exp(G_i - ref_a) * exp(ref_a - G_j), one reference per row block a of s <= 16
     # rows: ref_a = G at the block's first row (lb = -5, C = 32: s = 16, the second block's reference is the chunk
     # midpoint). Then exp(G_i - ref_a) <= 1, and exp(ref_a - G_j) is <= 1 for j before the block and
     # <= exp(|lb| (s - 1)) <= exp(80) inside it (s is chosen so). The reference never looks past row i, which keeps the
-    # layer causal bit for bit, and it is detached (the result does not depend on it). Columns after the block are
-    # never needed: their exponent is zeroed with masked_fill *before* the exp (no inf, no inf * 0 in backward).
+    # layer causal bit for bit, and the result does not depend on it (no gradient flows through it). Columns after
+    # the block are never needed: their exponent is zeroed *before* the exp (no inf, no inf * 0 in backward).
     if gate_bound is None:
         gate_bound = float(-g.detach().min().clamp(max=0.0))
-    ns = _n_row_blocks(C, abs(gate_bound))
-    s = C // ns
-    Gb = G.view(N, B, H, ns, s, K)
-    ref = Gb[..., :1, :].detach()                                       # [N, B, H, ns, 1, K]
-    e_row = (Gb - ref).exp()                                            # [N, B, H, ns, s, K], <= 1
-    col_arg = (ref - G.unsqueeze(-3)).masked_fill(_future_cols(ns, s, q.device), 0.0)  # [N, B, H, ns, C, K]
-    k_col = (k.unsqueeze(-3) * col_arg.exp()).transpose(-1, -2)        # [N, B, H, ns, K, C]
-    M = ((k.view(N, B, H, ns, s, K) * e_row) @ k_col).view(N, B, H, C, C).masked_fill(~_tril(C, -1, q.device), 0.0)
-    Aqk = ((q.view(N, B, H, ns, s, K) * e_row) @ k_col).view(N, B, H, C, C).masked_fill(~_tril(C, 0, q.device), 0.0)
-    L = torch.eye(C, dtype=dt, device=q.device) + beta * M                          # unit lower triangular
-    Gam = G.exp()
-    # [U | W] = A [V | Gamma K] = L^-1 diag(beta) [V | Gamma K]: one triangular solve for both right-hand sides
-    UW = torch.linalg.solve_triangular(L, beta * torch.cat([v, Gam * k], dim=-1), upper=False, unitriangular=True)
-    k_dec_t = (k * (G_last - G).exp()).transpose(-1, -2)                # ((Gamma_C / Gamma) K)^T    [N, B, H, K, C]
-    RP = k_dec_t @ UW                                                   # [R | K_dec^T W]            [N, B, H, K, V+K]
-    R = RP[..., :V]
-    P = torch.diag_embed(G_last.squeeze(-2).exp()) - RP[..., V:]        # [N, B, H, K, K]
-    OQ = Aqk @ UW                                                       # [Aqk U | Aqk W]            [N, B, H, C, V+K]
-    O_intra = OQ[..., :V]
-    Q_eff = Gam * q - OQ[..., V:]                                       # [N, B, H, C, K]
-
+    ns = _n_row_blocks(chunk_size, abs(gate_bound))
     fused = cext.available() and q.device.type == "cpu" if fused is None else fused
-    S_all = StateScan.apply(P.reshape(N, B * H, K, K), R.reshape(N, B * H, K, V), S.reshape(B * H, K, V), fused)
-    S_in = S_all[:N]                                                    # [N, B*H, K, V] chunk-start states
-    o = torch.baddbmm(O_intra.reshape(-1, C, V), Q_eff.reshape(-1, C, K), S_in.reshape(-1, K, V))
-    o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
-    return o, S_all[N].view(B, H, K, V)
+    return KDAChunkFunction.apply(q, k, v, g, beta, S, chunk_size, ns, fused)
 
 
 def _delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> Tensor:
