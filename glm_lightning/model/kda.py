@@ -66,6 +66,7 @@ from torch import Tensor, nn
 from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.kda_chunk import KDAChunkFunction, scan, scan_backward
+from glm_lightning.model.linear import linear
 from glm_lightning.model.norm import RMSNorm
 
 __all__ = ["KDACache", "KDAttention", "StateScan", "kda_chunked", "kda_recurrent"]
@@ -308,7 +309,7 @@ class KDAttention(nn.Module):
 
     def _gates(self, f1: Tensor, b: Tensor, B: int, T: int) -> tuple[Tensor, Tensor]:
         H, K = self.n_heads, self.head_dim
-        f = F.linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias)).view(B, T, H, K)  # W_f2 f1 + dt_b
+        f = linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias)).view(B, T, H, K)  # W_f2 f1 + dt_b
         g = self.lower_bound * torch.sigmoid(_f32(self.A_log).exp().view(H, 1) * f)
         return g, torch.sigmoid(_f32(b))
 
@@ -346,7 +347,7 @@ class KDAttention(nn.Module):
             self._update_cache(cache, raw, S)
         o = self.o_norm(o) * torch.sigmoid(_f32(gate).view(B, T, H, K))
         o = o.reshape(B, T, H * K)
-        return self.o_proj(o if o.dtype == x.dtype else o.to(x.dtype)), self._no_aux
+        return linear(o if o.dtype == x.dtype else o.to(x.dtype), self.o_proj.weight), self._no_aux
 
     def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None):
         """Everything before the recurrence: q, k (unit norm, q scaled), v, g, beta (fp32), the output-gate
@@ -356,8 +357,8 @@ class KDAttention(nn.Module):
         H, K = self.n_heads, self.head_dim
         HK = H * K
         w_qkv, w_small = self._in_weights()
-        raw = F.linear(x, w_qkv)                                                     # [B, T, 3HK] q|k|v
-        f1, g1, b = F.linear(x, w_small).split([K, K, H], dim=-1)
+        raw = linear(x, w_qkv)                                                     # [B, T, 3HK] q|k|v
+        f1, g1, b = linear(x, w_small).split([K, K, H], dim=-1)
         if valid is not None:
             valid = valid.to(device=x.device, dtype=torch.bool)
             raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
@@ -375,7 +376,7 @@ class KDAttention(nn.Module):
             k = k.masked_fill(pad[..., None, None], 0.0)
             g = g.masked_fill(pad[..., None, None], 0.0)
             beta = beta.masked_fill(pad[..., None], 0.0)
-        gate = self.g_b_proj(g1)
+        gate = linear(g1, self.g_b_proj.weight, self.g_b_proj.bias)
         return q, k, v, g, beta, gate, raw_ext
 
     def _update_cache(self, cache: KDACache, raw_ext: Tensor, S: Tensor) -> None:

@@ -28,10 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glm_lightning.model import cext
+from glm_lightning.model.linear import linear
 
 
 class _Sinkhorn(torch.autograd.Function):
@@ -224,7 +224,7 @@ class HyperConnection(nn.Module):
         # mean(flat^2) comes from one vector_norm (a fused kernel and backward; square() would be a pow).
         norm = torch.linalg.vector_norm(flat, dim=-1, keepdim=True)
         inv_rms = torch.rsqrt(torch.addcmul(self._norm_eps, norm, norm, value=1.0 / (n * self.dim)))
-        raw = F.linear(flat, self.phi if self.phi.dtype == flat.dtype else self.phi.to(flat.dtype))
+        raw = linear(flat, self.phi if self.phi.dtype == flat.dtype else self.phi.to(flat.dtype))
         logits = torch.addcmul(self.bias, raw * inv_rms, self.alpha[self._alpha_index])
         gates = torch.addcmul(self._gate_shift, torch.sigmoid(logits[..., :2 * n]), self._gate_scale)
         pre, post = gates.split([n, n], dim=-1)

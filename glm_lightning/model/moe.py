@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glm_lightning.model.config import GLMConfig
+from glm_lightning.model.linear import linear
 
 
 def _f32(t: Tensor) -> Tensor:
@@ -75,7 +76,7 @@ class MoE(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Route tokens ``x`` [..., d]: returns fp32 scores ``s`` [..., E], expert ids ``idx`` [..., K] and fp32 gate
         weights ``w`` [..., K] (unbiased ``s`` of the chosen experts, renormalised when K > 1, times the scaling)."""
-        s = torch.sigmoid(F.linear(_f32(x), _f32(self.router_weight)))
+        s = torch.sigmoid(linear(_f32(x), _f32(self.router_weight)))
         choice = s.detach() + _f32(self.expert_bias)
         idx = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
         w = s.gather(-1, idx)
@@ -85,8 +86,8 @@ class MoE(nn.Module):
 
     @staticmethod
     def _swiglu(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
-        gate, up = F.linear(x, w_gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w_down)
+        gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w_down)
 
     def _dispatch(self, x: Tensor, idx: Tensor, w: Tensor, counts: list[int]) -> Tensor:
         """Routed output for flat tokens x [N, d] with choices idx [N, K], gates w [N, K], per-expert counts.
