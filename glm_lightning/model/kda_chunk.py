@@ -74,18 +74,23 @@ def scan_backward(grad: Tensor, P: Tensor, fused: bool) -> Tensor:
 
 
 def _to_chunks(x: Tensor, N: int, C: int) -> Tensor:
-    """[B, T, H, D] -> [N*B*H, C, D] chunk-major and contiguous, T zero-padded to N*C (identity steps)."""
+    """[B, T, H, D] -> [N*B*H, C, D] chunk-major and contiguous, T zero-padded to N*C (identity steps). One copy into
+    a permuted view of the result (6 dispatched ops; reshape-permute-reshape is 10)."""
     B, T, H, D = x.shape
     if N * C != T:
         x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
-    return x.reshape(B, N, C, H, D).permute(1, 0, 3, 2, 4).reshape(N * B * H, C, D)
+    out = torch.empty(N * B * H, C, D, dtype=x.dtype, device=x.device)
+    out.view(N, B, H, C, D).permute(1, 0, 3, 2, 4).copy_(x.view(B, N, C, H, D) if x.is_contiguous()
+                                                          else x.reshape(B, N, C, H, D))  # (an incoming gradient)
+    return out
 
 
 def _from_chunks(x: Tensor, B: int, H: int, T: int) -> Tensor:
     """[N*B*H, C, D] -> [B, T, H, D] (the padded tail dropped)."""
     X, C, D = x.shape
     N = X // (B * H)
-    out = x.view(N, B, H, C, D).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, D)
+    out = torch.empty(B, N * C, H, D, dtype=x.dtype, device=x.device)
+    out.view(B, N, C, H, D).copy_(x.view(N, B, H, C, D).permute(1, 0, 3, 2, 4))
     return out if N * C == T else out[:, :T]
 
 
