@@ -224,17 +224,18 @@ class SiteReadFused(torch.autograd.Function):
         N, n, C = x.shape
         dpre, dx = torch.ops.glm_lightning.stream_read_backward(dh, pre, x)
         dgates = torch.cat([dpre, dpost], dim=-1).mul_(site._gate_scale)
-        dlogits = torch.cat([dgates.mul_(sig).mul_(1.0 - sig),
+        dlogits = torch.cat([dgates.mul_(torch.addcmul(sig, sig, sig, value=-1.0)),  # sigmoid' = sig - sig^2
                              torch.ops.glm_lightning.sinkhorn_backward(dres, res_logits, site.iters, site.eps).view(N, -1)],
                             dim=-1)
         dbias = dlogits.sum(0)
         dalpha = torch.zeros_like(site.alpha).index_add_(0, site._alpha_index, (dlogits * z).sum(0))
         dz = dlogits.mul_(alpha_e)
-        coef = (dz * raw).sum(-1, keepdim=True).mul_(inv_rms.pow(3)).mul_(-1.0 / (n * C))  # d/dx through inv_rms
+        # d/dx through inv_rms = (eps + |x|^2 / nC)^-1/2:  -x inv_rms^3 / nC * rowsum(dz * raw)
+        coef = (dz * raw).sum(-1, keepdim=True).mul_(inv_rms * inv_rms).mul_(inv_rms)
         draw = dz.mul_(inv_rms)
         flat = x.view(N, n * C)
         dphi = torch.mm(draw.t(), flat)
-        dx.view(N, n * C).add_(torch.addcmul(torch.mm(draw, phi), flat, coef))
+        dx.view(N, n * C).add_(torch.addcmul(torch.mm(draw, phi), flat, coef, value=-1.0 / (n * C)))
         return dx, dphi, dalpha, dbias, None
 
 
