@@ -66,6 +66,7 @@ from torch import Tensor, nn
 from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.kda_chunk import KDAChunkFunction, scan, scan_backward
+from glm_lightning.model.kda_fused import GatedHeadNorm, KDAFeatures
 from glm_lightning.model.linear import linear
 from glm_lightning.model.norm import RMSNorm
 
@@ -345,8 +346,7 @@ class KDAttention(nn.Module):
                 o, S = kda_chunked(q, k, v, g, beta, self.chunk_size, initial_state=cache.state,
                                    gate_bound=-self.lower_bound)
             self._update_cache(cache, raw, S)
-        o = self.o_norm(o) * torch.sigmoid(_f32(gate).view(B, T, H, K))
-        o = o.reshape(B, T, H * K)
+        o = GatedHeadNorm.apply(o, _f32(gate), self.o_norm.weight, self.o_norm.eps)  # RMSNorm_head(o) * sigmoid(gate)
         return linear(o if o.dtype == x.dtype else o.to(x.dtype), self.o_proj.weight), self._no_aux
 
     def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None):
@@ -355,7 +355,6 @@ class KDAttention(nn.Module):
         [B, ks-1+T, 3HK]."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
-        HK = H * K
         w_qkv, w_small = self._in_weights()
         raw = linear(x, w_qkv)                                                     # [B, T, 3HK] q|k|v
         f1, g1, b = linear(x, w_small).split([K, K, H], dim=-1)
@@ -364,13 +363,10 @@ class KDAttention(nn.Module):
             raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
         ctx = None if cache is None else cache.conv_state.transpose(1, 2).to(raw.dtype)
         y, raw_ext = self._short_conv(raw, ctx)
-        y = _f32(y)
-        # L2-normalise q and k together (eps 1e-6, as F.normalize) and fold q's K^-0.5 into the same division
-        qk = y[..., :2 * HK].view(B, T, 2 * H, K)
-        denom = torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(1e-6) * self._qk_rescale
-        q, k = (qk / denom).split(H, dim=2)
-        v = y[..., 2 * HK:].view(B, T, H, K)
-        g, beta = self._gates(f1, b, B, T)
+        # L2-normalise q and k together (eps 1e-6, as F.normalize) and fold q's K^-0.5 into the same division; the
+        # gates g = lb * sigmoid(exp(A_log) * (W_f2 f1 + dt_bias)), beta = sigmoid(b): one Function (kda_fused.py)
+        f = linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias))
+        q, k, v, g, beta = KDAFeatures.apply(_f32(y), f, _f32(b), _f32(self.A_log), self._qk_rescale, self.lower_bound)
         if valid is not None:  # pads are identity steps of the state
             pad = ~valid
             k = k.masked_fill(pad[..., None, None], 0.0)
