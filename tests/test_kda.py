@@ -355,3 +355,15 @@ def test_state_scan_backward_gradcheck_and_equals_the_loop(fused):
     w = torch.randn_like(ref)
     for x, y in zip(torch.autograd.grad((out * w).sum(), a), torch.autograd.grad((ref * w).sum(), b)):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_backward_takes_broadcast_gradients():
+    """The hand-written backward accepts the stride-0 gradients that .sum() sends back (and the padded tail)."""
+    q, k, v, g, beta, s0 = (x.requires_grad_() for x in _inputs(1, 13, 2, 4, 3, seed=9))
+    o, s = kda_chunked(q, k, v, g, beta, 8, s0)
+    (o.sum() + s.sum()).backward()
+    ref = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, s0)]
+    o_r, s_r = kda_recurrent(*ref)
+    (o_r.sum() + s_r.sum()).backward()
+    for a, b in zip((q, k, v, g, beta, s0), ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=3e-5)

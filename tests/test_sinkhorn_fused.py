@@ -102,3 +102,43 @@ def test_stream_ops_equal_the_eager_forms_and_gradcheck(n):
     dbl = [a.detach().double().requires_grad_() for a in args]
     assert torch.autograd.gradcheck(StreamWriteFused.apply, dbl)
     assert torch.autograd.gradcheck(StreamReadFused.apply, (dbl[2], dbl[1]))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fused_site_read_equals_the_eager_mappings_and_read(n, monkeypatch):
+    """SiteReadFused (one Function for norm, projection, gates, Sinkhorn and read) against the eager composite of
+    `mappings` + `read_streams`: outputs and the gradients of x, phi, alpha and bias within 1e-5; gradcheck in fp64."""
+    from glm_lightning.model.mhc import HyperConnection
+
+    torch.manual_seed(n)
+    site = HyperConnection(n=n, dim=6, iters=7, site_index=1)
+    with torch.no_grad():  # away from the init so every term (alpha, the norm) matters
+        site.alpha.normal_(0.0, 1.0)
+        site.bias.normal_(0.0, 1.0)
+    x = torch.randn(2, 5, n, 6)
+    ws = [torch.randn(2, 5, 6), torch.randn(2, 5, n), torch.randn(2, 5, n, n)]
+
+    def run(use_cpp: bool):
+        monkeypatch.setattr(cext, "available", lambda: use_cpp)
+        xs = x.clone().requires_grad_()
+        h, (post, res) = site.read(xs)
+        params = [site.phi, site.alpha, site.bias]
+        loss = sum((t * w).sum() for t, w in zip((h, post, res), ws))
+        return (h, post, res), torch.autograd.grad(loss, [xs, *params])
+
+    (outs_f, grads_f), (outs_e, grads_e) = run(True), run(False)
+    for a, b in zip(outs_f, outs_e):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    for name, a, b in zip(["x", "phi", "alpha", "bias"], grads_f, grads_e):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"grad {name}: {m}")
+    monkeypatch.setattr(cext, "available", lambda: True)
+    site.double()
+    xd = torch.randn(3, n, 6, dtype=torch.float64, requires_grad=True)
+
+    def f(xx, phi, alpha, bias):
+        from glm_lightning.model.mhc import SiteReadFused
+        return SiteReadFused.apply(xx, phi, alpha, bias, site)
+
+    args = (xd, site.phi.detach().clone().requires_grad_(), site.alpha.detach().clone().requires_grad_(),
+            site.bias.detach().clone().requires_grad_())
+    assert torch.autograd.gradcheck(f, args)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm_lightning.model.config import GLMConfig
+from glm_lightning.model.linear import linear
 from glm_lightning.model.norm import RMSNorm
 from glm_lightning.model.rope import RotaryEmbedding, apply_rotary
 
@@ -234,15 +235,15 @@ class LightningIndexer(nn.Module):
     def query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q_I [B, H_I, T, D_I]`` (RoPE on the first rope_dim channels) and scaled weights ``w [B, T, H_I]``."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        q = linear(x, self.q_proj.weight).view(B, T, self.n_heads, self.head_dim)
         if self.rope is not None:
             cos, sin = self.rope.cos_sin(positions)
             q = apply_rotary(q, cos[:, None], sin[:, None])
-        return q.transpose(1, 2), self.w_proj(x) * self.w_scale
+        return q.transpose(1, 2), linear(x, self.w_proj.weight) * self.w_scale
 
     def key(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The shared indexer key ``k_I = RoPE(LayerNorm(W_k x))``: ``[B, T, D_I]``."""
-        k = self.k_norm(self.k_proj(x))
+        k = self.k_norm(linear(x, self.k_proj.weight))
         if self.rope is not None:
             cos, sin = self.rope.cos_sin(positions)
             k = apply_rotary(k, cos, sin)
@@ -293,9 +294,9 @@ class SparseAttention(nn.Module):
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_norm(self.q_proj(x).view(B, T, H, D))
-        k = self.k_norm(self.k_proj(x).view(B, T, Hkv, D))
-        v = self.v_proj(x).view(B, T, Hkv, D)
+        q = self.q_norm(linear(x, self.q_proj.weight).view(B, T, H, D))
+        k = self.k_norm(linear(x, self.k_proj.weight).view(B, T, Hkv, D))
+        v = linear(x, self.v_proj.weight).view(B, T, Hkv, D)
         if self.rope is not None:
             cos, sin = self.rope.cos_sin(positions)
             q, k = apply_rotary(q, cos[:, None], sin[:, None]), apply_rotary(k, cos[:, None], sin[:, None])
@@ -400,7 +401,7 @@ class SparseAttention(nn.Module):
 
     def _out(self, out: torch.Tensor) -> torch.Tensor:
         B, _, T, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return linear(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), self.o_proj.weight)
 
     def _indexer_loss(self, q: torch.Tensor, k: torch.Tensor, scores: torch.Tensor, loss_keys: torch.Tensor,
                       attn_mask: torch.Tensor | None, valid: torch.Tensor | None) -> torch.Tensor:

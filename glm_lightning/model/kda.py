@@ -56,7 +56,6 @@ State and gate math are fp32 (fp64 inputs to the pure functions stay fp64, for g
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -66,6 +65,9 @@ from torch import Tensor, nn
 
 from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
+from glm_lightning.model.kda_chunk import KDAChunkFunction, scan, scan_backward
+from glm_lightning.model.kda_fused import GatedHeadNorm, KDAFeatures
+from glm_lightning.model.linear import linear
 from glm_lightning.model.norm import RMSNorm
 
 __all__ = ["KDACache", "KDAttention", "StateScan", "kda_chunked", "kda_recurrent"]
@@ -91,23 +93,6 @@ def _n_row_blocks(C: int, gate_bound: float, max_rows: int = 16) -> int:
     while C % ns or C // ns > max_rows or (C // ns - 1) * gate_bound > _EXP_LIMIT:
         ns += 1
     return ns
-
-
-@functools.lru_cache(maxsize=64)
-def _tril(C: int, diagonal: int, device: torch.device) -> Tensor:
-    """[C, C] bool, True on and below the given diagonal (cached; built with arange, bool tril is slow on CPU)."""
-    with torch.inference_mode(False):  # a normal tensor even if first built while decoding (autograd may save it)
-        i = torch.arange(C, device=device)
-        return i[:, None] - i[None, :] >= -diagonal
-
-
-@functools.lru_cache(maxsize=64)
-def _future_cols(ns: int, s: int, device: torch.device) -> Tensor:
-    """[ns, C, 1] bool: column j lies after the end of row block a (cached)."""
-    with torch.inference_mode(False):
-        j = torch.arange(ns * s, device=device)
-        a_end = (torch.arange(ns, device=device) + 1) * s
-        return (j[None, :] >= a_end[:, None]).unsqueeze(-1)
 
 
 def kda_recurrent(
@@ -151,26 +136,14 @@ class StateScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, P: Tensor, R: Tensor, S0: Tensor, fused: bool = False) -> Tensor:
         ctx.fused = fused
-        if fused:
-            S_all = torch.ops.glm_lightning.state_scan(P, R, S0)
-        else:
-            N = P.shape[0]
-            S_all = R.new_empty(N + 1, *S0.shape)
-            S_all[0] = S0
-            for n in range(N):
-                torch.baddbmm(R[n], P[n], S_all[n], out=S_all[n + 1])
+        S_all = scan(P, R, S0, fused)
         ctx.save_for_backward(P, S_all)
         return S_all
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         P, S_all = ctx.saved_tensors
-        if ctx.fused:
-            g = torch.ops.glm_lightning.state_scan_backward(grad, P)
-        else:
-            g = grad.clone()
-            for n in reversed(range(P.shape[0])):
-                g[n].baddbmm_(P[n].transpose(1, 2), g[n + 1])
+        g = scan_backward(grad, P, ctx.fused)
         g_next = g[1:]
         return torch.matmul(g_next, S_all[:-1].transpose(-1, -2)), g_next, g[0], None
 
@@ -200,59 +173,18 @@ def kda_chunked(
     S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
     if T == 0:
         return v.new_zeros(B, 0, H, V, dtype=dt), S
-    C = chunk_size
-    pad = (-T) % C
     q, k, v, g, beta = (x if x.dtype == dt else x.to(dt) for x in (q, k, v, g, beta))
-    if pad:  # identity steps: g = 0, beta = 0, k = 0 (q, v = 0 too; their outputs are dropped)
-        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-        beta = F.pad(beta, (0, 0, 0, pad))
-    N = (T + pad) // C
-
-    # Chunk-major layout [N, B, H, C, D], materialised once: every later op runs on contiguous memory and every
-    # chunk's slice is contiguous for the hand-off loop.
-    def chunks(x: Tensor) -> Tensor:  # [B, N*C, H, D] -> [N, B, H, C, D]
-        return x.reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).contiguous()
-
-    q, k, v, g = chunks(q), chunks(k), chunks(v), chunks(g)
-    beta = beta.reshape(B, N, C, H).permute(1, 0, 3, 2).unsqueeze(-1).contiguous()  # [N, B, H, C, 1]
-
-    G = g.cumsum(-2)                                                    # inclusive, [N, B, H, C, K]
-    G_last = G[..., -1:, :]                                             # [N, B, H, 1, K]
     # Factorised exp(G_i - G_j) = exp(G_i - ref_a) * exp(ref_a - G_j), one reference per row block a of s <= 16
     # rows: ref_a = G at the block's first row (lb = -5, C = 32: s = 16, the second block's reference is the chunk
     # midpoint). Then exp(G_i - ref_a) <= 1, and exp(ref_a - G_j) is <= 1 for j before the block and
     # <= exp(|lb| (s - 1)) <= exp(80) inside it (s is chosen so). The reference never looks past row i, which keeps the
-    # layer causal bit for bit, and it is detached (the result does not depend on it). Columns after the block are
-    # never needed: their exponent is zeroed with masked_fill *before* the exp (no inf, no inf * 0 in backward).
+    # layer causal bit for bit, and the result does not depend on it (no gradient flows through it). Columns after
+    # the block are never needed: their exponent is zeroed *before* the exp (no inf, no inf * 0 in backward).
     if gate_bound is None:
         gate_bound = float(-g.detach().min().clamp(max=0.0))
-    ns = _n_row_blocks(C, abs(gate_bound))
-    s = C // ns
-    Gb = G.view(N, B, H, ns, s, K)
-    ref = Gb[..., :1, :].detach()                                       # [N, B, H, ns, 1, K]
-    e_row = (Gb - ref).exp()                                            # [N, B, H, ns, s, K], <= 1
-    col_arg = (ref - G.unsqueeze(-3)).masked_fill(_future_cols(ns, s, q.device), 0.0)  # [N, B, H, ns, C, K]
-    k_col = (k.unsqueeze(-3) * col_arg.exp()).transpose(-1, -2)        # [N, B, H, ns, K, C]
-    M = ((k.view(N, B, H, ns, s, K) * e_row) @ k_col).view(N, B, H, C, C).masked_fill(~_tril(C, -1, q.device), 0.0)
-    Aqk = ((q.view(N, B, H, ns, s, K) * e_row) @ k_col).view(N, B, H, C, C).masked_fill(~_tril(C, 0, q.device), 0.0)
-    L = torch.eye(C, dtype=dt, device=q.device) + beta * M                          # unit lower triangular
-    Gam = G.exp()
-    # [U | W] = A [V | Gamma K] = L^-1 diag(beta) [V | Gamma K]: one triangular solve for both right-hand sides
-    UW = torch.linalg.solve_triangular(L, beta * torch.cat([v, Gam * k], dim=-1), upper=False, unitriangular=True)
-    k_dec_t = (k * (G_last - G).exp()).transpose(-1, -2)                # ((Gamma_C / Gamma) K)^T    [N, B, H, K, C]
-    RP = k_dec_t @ UW                                                   # [R | K_dec^T W]            [N, B, H, K, V+K]
-    R = RP[..., :V]
-    P = torch.diag_embed(G_last.squeeze(-2).exp()) - RP[..., V:]        # [N, B, H, K, K]
-    OQ = Aqk @ UW                                                       # [Aqk U | Aqk W]            [N, B, H, C, V+K]
-    O_intra = OQ[..., :V]
-    Q_eff = Gam * q - OQ[..., V:]                                       # [N, B, H, C, K]
-
+    ns = _n_row_blocks(chunk_size, abs(gate_bound))
     fused = cext.available() and q.device.type == "cpu" if fused is None else fused
-    S_all = StateScan.apply(P.reshape(N, B * H, K, K), R.reshape(N, B * H, K, V), S.reshape(B * H, K, V), fused)
-    S_in = S_all[:N]                                                    # [N, B*H, K, V] chunk-start states
-    o = torch.baddbmm(O_intra.reshape(-1, C, V), Q_eff.reshape(-1, C, K), S_in.reshape(-1, K, V))
-    o = o.view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
-    return o, S_all[N].view(B, H, K, V)
+    return KDAChunkFunction.apply(q, k, v, g, beta, S, chunk_size, ns, fused)
 
 
 def _delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> Tensor:
@@ -382,7 +314,7 @@ class KDAttention(nn.Module):
 
     def _gates(self, f1: Tensor, b: Tensor, B: int, T: int) -> tuple[Tensor, Tensor]:
         H, K = self.n_heads, self.head_dim
-        f = F.linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias)).view(B, T, H, K)  # W_f2 f1 + dt_b
+        f = linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias)).view(B, T, H, K)  # W_f2 f1 + dt_b
         g = self.lower_bound * torch.sigmoid(_f32(self.A_log).exp().view(H, 1) * f)
         return g, torch.sigmoid(_f32(b))
 
@@ -417,9 +349,8 @@ class KDAttention(nn.Module):
                 o, S = kda_chunked(q, k, v, g, beta, self.chunk_size, initial_state=cache.state,
                                    gate_bound=-self.lower_bound)
             self._update_cache(cache, raw, S)
-        o = self.o_norm(o) * torch.sigmoid(_f32(gate).view(B, T, H, K))
-        o = o.reshape(B, T, H * K)
-        return self.o_proj(o if o.dtype == x.dtype else o.to(x.dtype)), self._no_aux
+        o = GatedHeadNorm.apply(o, _f32(gate), self.o_norm.weight, self.o_norm.eps)  # RMSNorm_head(o) * sigmoid(gate)
+        return linear(o if o.dtype == x.dtype else o.to(x.dtype), self.o_proj.weight), self._no_aux
 
     def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None):
         """Everything before the recurrence: q, k (unit norm, q scaled), v, g, beta (fp32), the output-gate
@@ -427,28 +358,24 @@ class KDAttention(nn.Module):
         [B, ks-1+T, 3HK]."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
-        HK = H * K
         w_qkv, w_small = self._in_weights(cache)
-        raw = F.linear(x, w_qkv)                                                     # [B, T, 3HK] q|k|v
-        f1, g1, b = F.linear(x, w_small).split([K, K, H], dim=-1)
+        raw = linear(x, w_qkv)                                                     # [B, T, 3HK] q|k|v
+        f1, g1, b = linear(x, w_small).split([K, K, H], dim=-1)
         if valid is not None:
             valid = valid.to(device=x.device, dtype=torch.bool)
             raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
         ctx = None if cache is None else cache.conv_state.transpose(1, 2).to(raw.dtype)
         y, raw_ext = self._short_conv(raw, ctx)
-        y = _f32(y)
-        # L2-normalise q and k together (eps 1e-6, as F.normalize) and fold q's K^-0.5 into the same division
-        qk = y[..., :2 * HK].view(B, T, 2 * H, K)
-        denom = torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(1e-6) * self._qk_rescale
-        q, k = (qk / denom).split(H, dim=2)
-        v = y[..., 2 * HK:].view(B, T, H, K)
-        g, beta = self._gates(f1, b, B, T)
+        # L2-normalise q and k together (eps 1e-6, as F.normalize) and fold q's K^-0.5 into the same division; the
+        # gates g = lb * sigmoid(exp(A_log) * (W_f2 f1 + dt_bias)), beta = sigmoid(b): one Function (kda_fused.py)
+        f = linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias))
+        q, k, v, g, beta = KDAFeatures.apply(_f32(y), f, _f32(b), _f32(self.A_log), self._qk_rescale, self.lower_bound)
         if valid is not None:  # pads are identity steps of the state
             pad = ~valid
             k = k.masked_fill(pad[..., None, None], 0.0)
             g = g.masked_fill(pad[..., None, None], 0.0)
             beta = beta.masked_fill(pad[..., None], 0.0)
-        gate = self.g_b_proj(g1)
+        gate = linear(g1, self.g_b_proj.weight, self.g_b_proj.bias)
         return q, k, v, g, beta, gate, raw_ext
 
     def _update_cache(self, cache: KDACache, raw_ext: Tensor, S: Tensor) -> None:

@@ -28,10 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glm_lightning.model import cext
+from glm_lightning.model.linear import linear
 
 
 class _Sinkhorn(torch.autograd.Function):
@@ -184,6 +184,61 @@ class StreamWriteFused(torch.autograd.Function):
         return torch.ops.glm_lightning.stream_write_backward(grad, *ctx.saved_tensors)
 
 
+class SiteReadFused(torch.autograd.Function):
+    """The whole read half of a site as one Function on the C++ ops: streams x [N, n, C] -> (h [N, C], H_post [N, n],
+    H_res [N, n, n]), with a hand-written backward.
+
+    Same ops as `HyperConnection.mappings` + `StreamReadFused` (the same numbers), but autograd records one node
+    instead of ~20 (norm, projection, addcmuls, alpha gather, sigmoid, slices, Sinkhorn, read), which replayed as
+    ~110 dispatched ops per site. With z = (x phi^T) * inv_rms and logits = bias + alpha z:
+        dlogits = [dgates * scale * sig (1 - sig) | SinkhornBackward(dres)],  dbias = sum dlogits,
+        dalpha = segment sums of dlogits * z,  draw = dlogits * alpha * inv_rms,  dphi = draw^T x,
+        dx = draw phi - x * inv_rms^3 / (nC) * rowsum(dlogits * alpha * raw) + ReadBackward(dh).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,  # type: ignore[override]
+                site: HyperConnection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        N, n, C = x.shape
+        flat = x.view(N, n * C)
+        norm = torch.linalg.vector_norm(flat, dim=-1, keepdim=True)
+        inv_rms = torch.addcmul(site._norm_eps, norm, norm, value=1.0 / (n * C)).rsqrt_()
+        raw = torch.mm(flat, phi.t())
+        alpha_e = alpha[site._alpha_index]
+        z = raw * inv_rms
+        logits = torch.addcmul(bias, z, alpha_e)
+        sig = torch.sigmoid(logits[:, :2 * n])
+        gates = torch.addcmul(site._gate_shift, sig, site._gate_scale)
+        res_logits = logits[:, 2 * n:].unflatten(-1, (n, n))
+        res = torch.ops.glm_lightning.sinkhorn(res_logits, site.iters, site.eps)
+        pre = gates[:, :n]
+        h = torch.ops.glm_lightning.stream_read(pre, x)
+        ctx.save_for_backward(x, phi, alpha_e, inv_rms, raw, z, sig, res_logits, pre)
+        ctx.site = site
+        return h, gates[:, n:], res
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor):  # type: ignore[override]
+        x, phi, alpha_e, inv_rms, raw, z, sig, res_logits, pre = ctx.saved_tensors
+        site = ctx.site
+        N, n, C = x.shape
+        dpre, dx = torch.ops.glm_lightning.stream_read_backward(dh, pre, x)
+        dgates = torch.cat([dpre, dpost], dim=-1).mul_(site._gate_scale)
+        dlogits = torch.cat([dgates.mul_(torch.addcmul(sig, sig, sig, value=-1.0)),  # sigmoid' = sig - sig^2
+                             torch.ops.glm_lightning.sinkhorn_backward(dres, res_logits, site.iters, site.eps).view(N, -1)],
+                            dim=-1)
+        dbias = dlogits.sum(0)
+        dalpha = torch.zeros_like(site.alpha).index_add_(0, site._alpha_index, (dlogits * z).sum(0))
+        dz = dlogits.mul_(alpha_e)
+        # d/dx through inv_rms = (eps + |x|^2 / nC)^-1/2:  -x inv_rms^3 / nC * rowsum(dz * raw)
+        coef = (dz * raw).sum(-1, keepdim=True).mul_(inv_rms * inv_rms).mul_(inv_rms)
+        draw = dz.mul_(inv_rms)
+        flat = x.view(N, n * C)
+        dphi = torch.mm(draw.t(), flat)
+        dx.view(N, n * C).add_(torch.addcmul(torch.mm(draw, phi), flat, coef, value=-1.0 / (n * C)))
+        return dx, dphi, dalpha, dbias, None
+
+
 def _use_cpp(x: torch.Tensor) -> bool:
     """Whether the C++ stream ops run for x: built, on CPU, and fp32/fp64 (see glm_lightning/model/cext.py)."""
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and cext.available()
@@ -224,17 +279,25 @@ class HyperConnection(nn.Module):
         # mean(flat^2) comes from one vector_norm (a fused kernel and backward; square() would be a pow).
         norm = torch.linalg.vector_norm(flat, dim=-1, keepdim=True)
         inv_rms = torch.rsqrt(torch.addcmul(self._norm_eps, norm, norm, value=1.0 / (n * self.dim)))
-        raw = F.linear(flat, self.phi if self.phi.dtype == flat.dtype else self.phi.to(flat.dtype))
+        raw = linear(flat, self.phi if self.phi.dtype == flat.dtype else self.phi.to(flat.dtype))
         logits = torch.addcmul(self.bias, raw * inv_rms, self.alpha[self._alpha_index])
         gates = torch.addcmul(self._gate_shift, torch.sigmoid(logits[..., :2 * n]), self._gate_scale)
         pre, post = gates.split([n, n], dim=-1)
         res = sinkhorn_knopp(logits[..., 2 * n:].unflatten(-1, (n, n)), self.iters, self.eps)
         return pre, post, res
 
+    def _fused_read(self, x: torch.Tensor) -> bool:
+        """Whether `read` runs as one `SiteReadFused` (C++ ops built, fp32/fp64 on CPU) instead of `mappings` + read."""
+        return _use_cpp(x) and self.phi.dtype == x.dtype
+
     def read(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The sub-layer input H_pre x [B,T,C] and the (H_post, H_res) that `write` needs."""
         if self.n == 1:
             return x[..., 0, :], None
+        if self._fused_read(x):
+            lead = x.shape[:-2]
+            h, post, res = SiteReadFused.apply(x.reshape(-1, self.n, self.dim), self.phi, self.alpha, self.bias, self)
+            return h.view(*lead, self.dim), (post.view(*lead, self.n), res.view(*lead, self.n, self.n))
         pre, post, res = (m if m.dtype == x.dtype else m.to(x.dtype) for m in self.mappings(x))
         return (StreamReadFused.apply(pre, x) if _use_cpp(x) else read_streams(pre, x)), (post, res)
 

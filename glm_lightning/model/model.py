@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from glm_lightning.model.cache import LayerCache, ModelCache
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.dsa import DSACache, SparseAttention
 from glm_lightning.model.kda import KDACache, KDAttention
+from glm_lightning.model.linear import linear
 from glm_lightning.model.mhc import HyperConnection, collapse_streams, expand_streams
 from glm_lightning.model.moe import MoE
 from glm_lightning.model.norm import RMSNorm
@@ -91,7 +91,7 @@ class GLMModel(nn.Module):
             cache.length += x.shape[1]
         h = self.final_norm(collapse_streams(streams))
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return GLMOutput(logits=F.linear(h, head), aux_loss=aux)
+        return GLMOutput(logits=linear(h, head), aux_loss=aux)
 
     def untie_head(self) -> None:
         """Give the output head its own copy of the embedding matrix, so a stage (e.g. RL) can train the head while
