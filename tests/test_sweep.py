@@ -127,6 +127,23 @@ def test_rerun_skips_finished_runs(tiny_sweep):
     assert read_done(spec) is None
 
 
+def test_fingerprint_ignores_where_the_checkout_lies(tmp_path):
+    """The same base text in two places gives the same run fingerprints (a moved or second checkout reuses finished
+    runs and committed results); other base text gives others."""
+    studies = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(BASE, d / "base.yaml")
+        studies.append(_write_study(d / "study.yaml", base="base.yaml"))
+    a, b = load_study(studies[0]), load_study(studies[1])
+    assert a.base != b.base
+    assert [a.fingerprint(v, 0) for v in a.variants] == [b.fingerprint(v, 0) for v in b.variants]
+    (tmp_path / "b" / "base.yaml").write_text(BASE.read_text() + "\n# edited\n")
+    changed = load_study(studies[1])
+    assert all(a.fingerprint(v, 0) != changed.fingerprint(w, 0) for v, w in zip(a.variants, changed.variants))
+
+
 def test_dry_run_prints_commands_and_runs_nothing(tmp_path, capsys):
     run_sweep(["--config", str(STUDY), "--out", str(tmp_path), "--dry-run", "--seeds", "3"])
     text = capsys.readouterr().out

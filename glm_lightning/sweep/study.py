@@ -41,6 +41,14 @@ import yaml
 from glm_lightning.sweep.claims import Claim, parse_claims
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def portable_path(path: Path) -> str:
+    """`path` relative to the repository root when it lies inside it, else its file name."""
+    try:
+        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return Path(path).name
 DEFAULT_SEED_KEYS = ("seed_everything", "data.init_args.seed")
 LOWER_IS_BETTER_SUFFIXES = ("loss", "bpb", "ppl", "perplexity")
 KNOWN_KEYS = {
@@ -110,8 +118,12 @@ class Study:
         return args
 
     def fingerprint(self, variant: Variant, seed: int) -> str:
-        """Changes when anything that defines the run changes (its arguments or the base config's text)."""
-        h = hashlib.sha256(json.dumps(self.run_args(variant, seed)).encode())
+        """Changes when anything that defines the run changes (its arguments or the base config's text), and only
+        then: the base config is named by its path inside the repository (or its file name outside it), not by the
+        absolute path, so a moved or second checkout recognises the same finished runs."""
+        args = self.run_args(variant, seed)
+        args[1] = portable_path(self.base)
+        h = hashlib.sha256(json.dumps(args).encode())
         h.update(self.base.read_bytes())
         return h.hexdigest()[:16]
 
