@@ -15,14 +15,6 @@ from datamodules.digits import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_stratified_split_is_deterministic_disjoint_and_proportional():
     labels = torch.arange(500) % 10
     labels = labels[torch.randperm(500, generator=torch.Generator().manual_seed(3))]
@@ -81,15 +73,21 @@ def _write_idx(folder, name, array):
     (folder / name).write_bytes(header + array.to(torch.uint8).numpy().tobytes())
 
 
+def _write_mnist_folder(root, n_train: int, n_test: int):
+    """torchvision's layout `root/MNIST/raw/` with random images and labels 0..9; returns the raw folder."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        _write_idx(raw, f"{prefix}-images-idx3-ubyte", torch.randint(0, 256, (n, 28, 28), generator=g))
+        _write_idx(raw, f"{prefix}-labels-idx1-ubyte", torch.arange(n) % 10)
+    return raw
+
+
 def test_mnist_from_local_files_and_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):
         DigitsDataModule(source="mnist", data_dir=str(tmp_path)).setup("fit")
-    raw = tmp_path / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    g = torch.Generator().manual_seed(0)
-    for prefix, n in (("train", 100), ("t10k", 30)):
-        _write_idx(raw, f"{prefix}-images-idx3-ubyte", torch.randint(0, 256, (n, 28, 28), generator=g))
-        _write_idx(raw, f"{prefix}-labels-idx1-ubyte", torch.arange(n) % 10)
+    raw = _write_mnist_folder(tmp_path, 100, 30)
     assert sorted(p.name for p in raw.iterdir()) == sorted(MNIST_FILES)
     dm = DigitsDataModule(source="mnist", data_dir=str(tmp_path), val_fraction=0.2)
     dm.setup("fit")
@@ -169,12 +167,7 @@ def test_mnist_offline_file_with_the_wrong_digest_is_refused_by_name(tmp_path):
 
 
 def test_mnist_folder_errors_name_the_file(tmp_path):
-    raw = tmp_path / "MNIST" / "raw"
-    raw.mkdir(parents=True)
-    g = torch.Generator().manual_seed(0)
-    for prefix, n in (("train", 30), ("t10k", 10)):
-        _write_idx(raw, f"{prefix}-images-idx3-ubyte", torch.randint(0, 256, (n, 28, 28), generator=g))
-        _write_idx(raw, f"{prefix}-labels-idx1-ubyte", torch.arange(n) % 10)
+    raw = _write_mnist_folder(tmp_path, 30, 10)
     _write_idx(raw, "train-labels-idx1-ubyte", torch.arange(30) % 10 + 3)  # labels 3..12
     with pytest.raises(ValueError, match=r"train-images-idx3-ubyte, train-labels-idx1-ubyte.*0\.\.9"):
         DigitsDataModule(source="mnist", data_dir=str(tmp_path)).setup("fit")

@@ -18,14 +18,6 @@ CONF = str(Path(__file__).parent / "conf" / "vision_tiny.yaml")
 TRAIN = ["vision.*", "model.blocks.3.*", "model.final_norm.*"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _module() -> VisionModule:
     torch.manual_seed(0)
     return VisionModule(preset="tiny", vision={"dim": 32, "heads": 2, "depth": 1}, warmup_steps=1, lr=1e-2)

@@ -40,15 +40,6 @@ CONF = str(Path(__file__).parent / "conf" / "rl_tiny.yaml")
 TOK = ByteTokenizer()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run far faster on one thread, especially on a shared, busy CPU."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 # --- rewards and advantages ------------------------------------------------------------------------------------------
 def test_verdict_rewards():
     passed, failed = Verdict("passed", 3, 3), Verdict("failed", 1, 3)

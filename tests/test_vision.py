@@ -19,14 +19,6 @@ TOK = ByteTokenizer()
 SMALL = {"dim": 32, "heads": 2, "depth": 1}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops on a shared 2-core CPU: a second OpenMP thread only adds contention
-    yield
-    torch.set_num_threads(threads)
-
-
 # --- encoder ----------------------------------------------------------------------------------------------------------
 def test_encoder_shapes_and_token_counts():
     torch.manual_seed(0)

@@ -17,14 +17,6 @@ SMALL = {"dim": 32, "heads": 2, "depth": 1}
 LORA = {"targets": ["model.blocks.*.mixer.*_proj.weight"], "rank": 2, "alpha": 4}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _module(**kwargs):
     torch.manual_seed(0)
     return VisionModule(preset="tiny", vision=SMALL, warmup_steps=1, **kwargs).eval()
