@@ -3,10 +3,15 @@ starts from the previous stage's weights, and the summary carries every stage's 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 
 from glm_lightning.demo import main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _lm_state(path: str) -> dict[str, torch.Tensor]:
@@ -84,3 +89,14 @@ def test_rl_studies_start_from_the_demo_checkpoint(tmp_path, monkeypatch, capsys
         run_sweep(["--config", str(study), "--out", str(tmp_path / "sweeps"), "--dry-run"])
     out = capsys.readouterr().out
     assert out.count("python -m glm_lightning fit") >= 3 * (2 + 3 + 3 + 3)
+
+
+def test_demo_pretrain_evaluates_its_last_step_whatever_the_stage_config_says():
+    """The demo overlay pins its own length: a change to configs/pretrain.yaml (sized for the research run) once made
+    the demo train 200 steps while evaluating at step 150, so its summary described an older model than its checkpoint."""
+    base = yaml.safe_load((CONFIGS / "pretrain.yaml").read_text())
+    overlay = yaml.safe_load((CONFIGS / "demo" / "pretrain.yaml").read_text())
+    trainer = {**base["trainer"], **overlay["trainer"]}
+    assert "max_steps" in overlay["trainer"], "the demo must pin its own number of steps"
+    assert trainer["max_steps"] % trainer["val_check_interval"] == 0, "the demo's last step must be evaluated"
+    assert "dev_per_family" in overlay["data"]["init_args"], "the demo must pin its own evaluation set"
