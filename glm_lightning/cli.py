@@ -68,6 +68,13 @@ def run(args: Sequence[str] | None = None) -> int:
         message = str(err.code)
         print(message if message.startswith("error") else f"error: {message}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:
+        if os.environ.get("GLM_DEBUG") or not err.name or err.name.split(".")[0] in ("glm_lightning", "callbacks",
+                                                                                      "datamodules"):
+            raise
+        print(f"error: the package {err.name.split('.')[0]!r} is not installed for {sys.executable}: run `make venv` "
+              "and use .venv/bin/python (or `source .venv/bin/activate`)", file=sys.stderr)
+        return 2
     except Exception as err:  # noqa: BLE001 - classified below; anything unexpected keeps its traceback
         if os.environ.get("GLM_DEBUG") or not is_user_error(err):
             raise

@@ -150,3 +150,28 @@ def test_vision_encoder_rejects_images_of_the_wrong_shape(shape, message):
     cfg = VisionConfig.from_dict({"image_size": 8, "channels": 1, "patch_size": 2, "dim": 16, "heads": 2, "depth": 1})
     with pytest.raises(ValueError, match=message):
         VisionEncoder(cfg, out_dim=32).check_images(torch.zeros(shape))
+
+
+def test_a_missing_dependency_says_how_to_install_it(capsys, monkeypatch):
+    """`python -m glm_lightning` run with a Python that lacks the project's packages (the system one instead of
+    .venv's) used to end in a second ModuleNotFoundError from the error handler itself."""
+    import glm_lightning.cli as cli
+
+    def missing(*_args, **_kwargs):
+        raise ModuleNotFoundError("No module named 'torchvision'", name="torchvision")
+
+    monkeypatch.setattr(cli, "main", missing)
+    assert run(["fit"]) == 2
+    err = capsys.readouterr().err
+    assert "'torchvision' is not installed" in err and "make venv" in err
+
+
+def test_a_missing_module_of_our_own_keeps_its_traceback(monkeypatch):
+    import glm_lightning.cli as cli
+
+    def missing(*_args, **_kwargs):
+        raise ModuleNotFoundError("No module named 'glm_lightning.nope'", name="glm_lightning.nope")
+
+    monkeypatch.setattr(cli, "main", missing)
+    with pytest.raises(ModuleNotFoundError):
+        run(["fit"])
