@@ -34,8 +34,9 @@ import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from glm_lightning import eval_cache
 from glm_lightning.evaluation import (
     VerifierSettings,
     close_own_verifier,
@@ -219,6 +220,7 @@ class RegressionCallback(Callback):
         prefix: str = "regression",
         verifier_workers: int = 2,
         verifier_timeout_s: float = 2.0,
+        baseline_cache: str | None = None,
     ) -> None:
         """
         Args:
@@ -236,6 +238,9 @@ class RegressionCallback(Callback):
             seed: sampling/bootstrap seed.
             prefix: metric name prefix.
             verifier_workers, verifier_timeout_s: only used when the module has no verifier of its own.
+            baseline_cache: a directory of cached baseline measurements (None = always measure). The entry's key
+                covers the starting weights, every evaluation setting and the package's code, so the seeds of a
+                sweep that start from one checkpoint measure their shared "before" once (`glm_lightning.eval_cache`).
         """
         super().__init__()
         if not 0 < alpha < 1 or not 0 < confidence < 1:
@@ -254,6 +259,8 @@ class RegressionCallback(Callback):
         self.stop_on_regression, self.every_n_evals = stop_on_regression, every_n_evals
         self.evaluate_at_end, self.output_dir, self.seed, self.prefix = evaluate_at_end, output_dir, seed, prefix
         self.verifier_settings = VerifierSettings(workers=verifier_workers, timeout_s=verifier_timeout_s)
+        self.baseline_cache = baseline_cache
+        self.baseline_cached_at: str | None = None
         self.baseline: Measurement | None = None
         self.baseline_step: int | None = None
         self.last_measurement: Measurement | None = None
@@ -292,8 +299,31 @@ class RegressionCallback(Callback):
         return report
 
     # --- hooks -----------------------------------------------------------------------------------------------------
+    def measure_baseline(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Measurement:
+        """The starting weights' measurement: from `baseline_cache` when an entry for exactly these weights, tasks,
+        settings and code exists, else measured (and stored). Rank 0 decides and broadcasts, so all ranks agree."""
+        if not self.baseline_cache:
+            return self.measure(trainer, pl_module)
+        tasks = resolve_eval_tasks(trainer, self.split, self.per_family, self.families, self.seed)
+        settings = {"measurement": "RegressionCallback baseline", "tasks": [[t.family, t.task_id] for t in tasks],
+                    "n_samples": self.n_samples, "temperature": self.temperature,
+                    "max_new_tokens": self.max_new_tokens, "seed": self.seed,
+                    "verifier_timeout_s": self.verifier_settings.timeout_s}
+        key = eval_cache.cache_key(eval_cache.weights_digest(pl_module.model), settings)
+        cached = eval_cache.load(self.baseline_cache, key) if trainer.is_global_zero else None
+        cached = trainer.strategy.broadcast(cached, src=0)
+        path = Path(self.baseline_cache) / f"{key}.json"
+        if cached is not None:
+            self.baseline_cached_at = str(path)
+            rank_zero_info(f"[regression] baseline measurement reused from {path}")
+            return cached
+        measurement = self.measure(trainer, pl_module)
+        if trainer.is_global_zero:
+            eval_cache.store(self.baseline_cache, key, measurement, settings)
+        return measurement
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.baseline = self.measure(trainer, pl_module)
+        self.baseline = self.measure_baseline(trainer, pl_module)
         self.baseline_step = trainer.global_step
         self._log_metrics(trainer, {f"{self.prefix}/baseline/{fam}": float(np.mean(m["greedy"]))
                                     for fam, m in self.baseline.items()})
@@ -371,6 +401,8 @@ class RegressionCallback(Callback):
         final["run"] = {"baseline step": self.baseline_step, "final step": final["step"],
                         "stopped early at": self.stopped_at, "split": self.split or "datamodule eval split",
                         "sampled per task": self.n_samples}
+        if self.baseline_cached_at:
+            final["run"]["baseline reused from"] = self.baseline_cached_at
         payload = {"baseline_step": self.baseline_step, "baseline": self.baseline, "final": final,
                    "final_measurement": self.last_measurement, "n_samples": self.n_samples,
                    "history": self.history, "stopped_at": self.stopped_at}

@@ -171,3 +171,51 @@ def test_compare_only_at_the_end_logs_before_and_after(tmp_path):
     assert data["final_measurement"] == NOW and data["n_samples"] == 0 and data["final"]["step"] == 9
     with pytest.raises(ValueError, match="evaluate_at_end"):
         RegressionCallback(every_n_evals=0, evaluate_at_end=False)
+
+
+def _cache_run(tmp_path, module, families=("increment", "square")):
+    """on_train_start with a counted fake measurement and the baseline cache in tmp_path/cache."""
+    cb = RegressionCallback(n_boot=100, families=list(families), split="confirm", per_family=2,
+                            baseline_cache=str(tmp_path / "cache"), output_dir=str(tmp_path))
+    calls = []
+
+    def measure(trainer, pl_module):
+        calls.append(1)
+        return {f: outcomes([len(calls) % 2] * 2) for f in families}
+    cb.measure = measure
+    strategy = SimpleNamespace(broadcast=lambda obj, src=0: obj)
+    trainer = SimpleNamespace(global_step=0, logger=None, is_global_zero=True, default_root_dir=str(tmp_path),
+                              datamodule=None, strategy=strategy)
+    cb.on_train_start(trainer, module)
+    return cb, calls
+
+
+def test_baseline_cache_measures_shared_starting_weights_once(tmp_path):
+    """Seeds of a sweep start from one checkpoint: the second run reuses the first one's baseline; different weights,
+    settings or tasks measure again."""
+    import torch
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(model=torch.nn.Linear(4, 3), log=lambda *a, **kw: None)
+    first, calls1 = _cache_run(tmp_path, module)
+    second, calls2 = _cache_run(tmp_path, module)
+    assert calls1 == [1] and calls2 == [] and second.baseline == first.baseline
+    assert second.baseline_cached_at and first.baseline_cached_at is None
+    with torch.no_grad():
+        module.model.weight[0, 0] += 1e-3          # other weights: measured again
+    _, calls3 = _cache_run(tmp_path, module)
+    assert calls3 == [1]
+    _, calls4 = _cache_run(tmp_path, module, families=("increment", "even"))  # other tasks: measured again
+    assert calls4 == [1]
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 3
+
+
+def test_a_corrupt_cache_entry_is_measured_again(tmp_path):
+    import torch
+
+    module = SimpleNamespace(model=torch.nn.Linear(4, 3), log=lambda *a, **kw: None)
+    _cache_run(tmp_path, module)
+    (entry,) = (tmp_path / "cache").glob("*.json")
+    entry.write_text("{not json")
+    _, calls = _cache_run(tmp_path, module)
+    assert calls == [1] and json.loads(entry.read_text())["payload"]
