@@ -164,7 +164,8 @@ def write_hparams(study: Study, results: Sequence[RunResult], out_dir: Path) -> 
 
 
 # --- REPORT.md -------------------------------------------------------------------------------------------------------
-def _metric_section(study: Study, a: MetricAnalysis, primary: bool) -> list[str]:
+def metric_section(study: Study, a: MetricAnalysis, primary: bool) -> list[str]:
+    """One metric's section of a report: per-seed values, paired comparisons with the control, charts' captions."""
     m = a.metric
     shown = f"; shown as {m.unit or 'value'} = value x {m.scale:g}" if m.scale != 1 else ""
     lines = [f"## {'Primary' if primary else 'Secondary'} metric: `{m.tag}` "
@@ -188,7 +189,7 @@ def _metric_section(study: Study, a: MetricAnalysis, primary: bool) -> list[str]
     return lines
 
 
-def _power_lines(study: Study, a: MetricAnalysis) -> list[str]:
+def power_lines(study: Study, a: MetricAnalysis) -> list[str]:
     """What this study could detect: the MDE of each comparison of the primary metric, or why it has none."""
     m, comps = a.metric, a.comparisons
     if not comps:
@@ -249,7 +250,7 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
         lines.append(f"- {c.verdict}")
     if not primary.comparisons:
         lines.append("- no comparison could be made")
-    lines += [""] + _power_lines(study, primary)
+    lines += [""] + power_lines(study, primary)
 
     lines += ["## Setup", "",
               f"- study file: `{_rel(study.path)}`; base config: `{_rel(study.base)}`",
@@ -272,7 +273,7 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
     lines += [f"- code: git {git_revision()}; report written {time.strftime('%Y-%m-%d %H:%M')}", ""]
 
     for i, a in enumerate(analyses):
-        lines += _metric_section(study, a, primary=i == 0)
+        lines += metric_section(study, a, primary=i == 0)
 
     if charts:
         lines += ["## Charts", ""]

@@ -29,7 +29,7 @@ from glm_lightning.stats import format_p
 from glm_lightning.sweep.analysis import analyse
 from glm_lightning.sweep.cli import DEFAULT_OUT, parse_settings
 from glm_lightning.sweep.events import read_scalars
-from glm_lightning.sweep.report import _metric_section, _power_lines, git_revision
+from glm_lightning.sweep.report import metric_section, power_lines, git_revision
 from glm_lightning.sweep.runner import RunResult, plan_runs, read_done
 from glm_lightning.sweep.study import REPO_ROOT, Study, load_study
 
@@ -299,9 +299,9 @@ def write_table_report(study: Study, out: Path, report_path: Path, reproduce: st
     lines += ["## Per family, sampled (mean over seeds)", ""] + family_section(study, runs)
     lines += ["## Regressions on the untrained families", ""] + regression_section(study, runs)
     analyses = analyse(study, results)
-    lines += ["## RLOO vs GRPO (paired by seed)", ""] + _power_lines(study, analyses[0])
+    lines += ["## RLOO vs GRPO (paired by seed)", ""] + power_lines(study, analyses[0])
     for i, a in enumerate(analyses):
-        lines += _metric_section(study, a, primary=i == 0)
+        lines += metric_section(study, a, primary=i == 0)
     lines += ["## Setup", "",
               f"- study: `{_rel(study.path)}`, base config `{_rel(study.base)}`; runs under `{_rel(out / study.name)}`",
               f"- variants: {', '.join(v.name for v in study.variants)} (control {study.control}); seeds "
