@@ -19,7 +19,8 @@ The verdict rule (`judge`), stated once so the findings table and its tests use 
   p < 0.05, or when it is not significant and our CI excludes the tutorial's effect (an effect that large is ruled
   out); otherwise *inconclusive*: "underpowered" when no effect up to the tutorial's size reaches 80% power at our
   n (MDE infinite or larger than the tutorial's effect), else "no effect larger than ±MDE detected".
-- **Null claims** (the tutorial's p >= 0.05, "no difference"): *refuted* when our p < 0.05; *reproduced* when our
+- **Null claims** (the tutorial's p >= 0.05, "no difference"): *refuted* when our p < 0.05 (saying so when the
+  difference, though real, is small: its whole CI inside ±margin); *reproduced* when our
   p >= 0.05 and our 95% CI lies inside ±margin (differences that would matter are ruled out); otherwise
   *inconclusive* ("underpowered" or "no effect larger than ±MDE detected, but the CI reaches beyond ±margin").
 
@@ -145,7 +146,9 @@ def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float)
     if claim.is_null:
         margin = float(claim.margin or 0.0)
         if significant:
-            return Verdict("refuted", f"a difference of {_fmt(diff)} where the tutorial found none")
+            small = (f"; small: the whole 95% CI lies inside ±{margin:g}, the margin that would matter"
+                     if has_ci and margin and -margin <= lo and hi <= margin else "")
+            return Verdict("refuted", f"a difference of {_fmt(diff)} where the tutorial found none{small}")
         if has_ci and -margin <= lo and hi <= margin:
             return Verdict("reproduced", f"no difference: the 95% CI lies inside ±{margin:g}")
         weak = _power_note(mde, margin)
