@@ -39,6 +39,21 @@ for ax, label, run in zip(axes[0], labels, runs):
         per = " ".join(f"{fam[:4]} {100 * dict(s[f'val/dev_pass/{fam}'])[step]:.0f}" for fam in families)
         print(f"| {label} | {step + 1} | {minutes.get(step, float('nan')):.1f} | {100 * v:.1f} "
               f"| {solved[step]:.0f}/8 | {majority[step]:.0f}/8 | {per} |")
+print()
+print("| run | first eval with >= 7/8 families > half pass | first eval with >= 7/8 families all-pass "
+      "| at the end: dev pass, families all-pass | fit wall min |")
+print("|---|---|---|---|---:|")
+for label, run in zip(labels, runs):
+    s = read_scalars(run)
+    minutes = dict(s["time/train_minutes"])
+    solved, majority, dev = dict(s["val/families_solved"]), dict(s["val/families_majority"]), dict(s["val/dev_pass"])
+
+    def first(counts: dict[int, float]) -> str:
+        hit = [step for step in sorted(counts) if counts[step] >= 7]
+        return f"step {hit[0] + 1}, {minutes[hit[0]]:.1f} min" if hit else "never"
+    last = max(dev)
+    print(f"| {label} | {first(majority)} | {first(solved)} | {100 * dev[last]:.1f}%, {solved[last]:.0f}/8 "
+          f"| {minutes[last]:.1f} |")
 axes[0][0].set_ylabel("greedy dev pass (%)")
 axes[0][-1].legend(fontsize=7, loc="lower right")
 fig.tight_layout()
