@@ -33,6 +33,7 @@ NULL = Claim("no difference", "interleaved", effect=-0.6, p=0.21, n="10", margin
     (EFFECT, (3.0, -1.0, 10.0, 0.2, 5.0), "inconclusive", "no effect larger than ±5.0"),
     (NULL, (3.0, 1.0, 5.0, 0.01, 2.0), "refuted", "where the tutorial found none"),
     (NULL, (-1.5, -1.9, -1.1, 0.001, 0.5), "refuted", "small: the whole 95% CI lies inside ±2"),
+    (NULL, (3.0, 1.0, 5.0, 0.01, 2.0), "refuted", "opposite in sign to the tutorial's (non-significant) -0.6"),
     (NULL, (0.3, -1.2, 1.5, 0.6, 1.0), "reproduced", "inside ±2"),
     (NULL, (0.3, -2.5, 3.0, 0.7, 1.8), "inconclusive", "no effect larger than ±1.8"),
     (NULL, (0.3, -4.0, 5.0, 0.7, 4.0), "inconclusive", "underpowered"),

@@ -148,6 +148,8 @@ def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float)
         if significant:
             small = (f"; small: the whole 95% CI lies inside ±{margin:g}, the margin that would matter"
                      if has_ci and margin and -margin <= lo and hi <= margin else "")
+            if claim.effect and (claim.effect > 0) != (diff > 0):
+                small += f"; opposite in sign to the tutorial's (non-significant) {_fmt(claim.effect)}"
             return Verdict("refuted", f"a difference of {_fmt(diff)} where the tutorial found none{small}")
         if has_ci and -margin <= lo and hi <= margin:
             return Verdict("reproduced", f"no difference: the 95% CI lies inside ±{margin:g}")
