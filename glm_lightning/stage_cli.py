@@ -64,6 +64,19 @@ class GLMCLI(LightningCLI):
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         if config is not None and config.get("ckpt_path"):
             resume_into_same_run(config)
+        if config is not None:
+            drop_progress_bars_when_disabled(config)
+
+
+def drop_progress_bars_when_disabled(config: Any) -> None:
+    """`--trainer.enable_progress_bar false` on a config that lists a progress bar (pretrain.yaml's RichProgressBar)
+    would stop Lightning with a conflict; the flag is the user's latest word, so the bar is left out instead."""
+    trainer = config.get("trainer") or {}
+    callbacks = trainer.get("callbacks")
+    if trainer.get("enable_progress_bar") is not False or not isinstance(callbacks, list):
+        return
+    trainer["callbacks"] = [cb for cb in callbacks
+                            if not str(getattr(cb, "get", lambda *_: "")("class_path", "")).endswith("ProgressBar")]
 
 
 def resume_into_same_run(config: Any) -> None:

@@ -71,3 +71,19 @@ def test_continuing_stages_print_that_init_weights_is_required(capsys):
         main(["fit", "--config", str(CONFIGS / "rl.yaml"), "--print_config"])
     init_args = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
     assert init_args["init_weights"].startswith("required")
+
+
+def test_disabling_the_progress_bar_drops_the_configs_progress_bar(tmp_path, monkeypatch):
+    """pretrain.yaml lists a RichProgressBar; `--trainer.enable_progress_bar false` used to stop Lightning with a
+    conflict instead of running without the bar."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from glm_lightning.stage_cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    base = ["--config", str(CONFIGS / "pretrain.yaml"), "--model.init_args.preset", "tiny"]
+    with_bar = build_cli(base, run=False)
+    assert any(isinstance(cb, ProgressBar) for cb in with_bar.trainer.callbacks)
+    cli = build_cli([*base, "--trainer.enable_progress_bar", "false"], run=False)
+    assert not any(isinstance(cb, ProgressBar) for cb in cli.trainer.callbacks)
+    assert cli.trainer.progress_bar_callback is None
