@@ -151,7 +151,8 @@ def _wall(found: StudyResults) -> str:
     walls = [r.wall_s for r in found.results if r.wall_s > 0]
     meta = found.meta
     if meta.get("elapsed_s") and meta.get("ran_now") == found.total and found.finished == found.total:
-        took = f"{meta['elapsed_s'] / 60:.0f} min with {meta.get('workers')} workers"
+        n = meta.get("workers")
+        took = f"{meta['elapsed_s'] / 60:.0f} min with {n} worker{'' if n == 1 else 's'}"
     elif walls:
         took = f"≈{sum(walls) / WORKERS / 60:.0f} min with {WORKERS} workers (sum of run times / {WORKERS})"
     else:
