@@ -13,13 +13,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def _rows(x: Tensor) -> Tensor:
+    """x [..., n] as [rows, n]: a view when x is contiguous (1 dispatched op; `reshape` is 2)."""
+    return x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1])
+
+
 class _Linear(torch.autograd.Function):
     """x [..., in], weight [out, in], bias [out] or None -> [..., out]."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
-        x2 = x.reshape(-1, x.shape[-1])
-        y = torch.mm(x2, weight.t()) if bias is None else torch.addmm(bias, x2, weight.t())
+        x2, wt = _rows(x), weight.transpose(0, 1)  # transpose: 2 ops, .t() is 3
+        y = torch.mm(x2, wt) if bias is None else torch.addmm(bias, x2, wt)
         ctx.save_for_backward(x2, weight)
         ctx.has_bias = bias is not None
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -27,9 +32,9 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
         x2, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
+        g2 = _rows(grad)
         gx = torch.mm(g2, weight).view(*grad.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
-        gw = torch.mm(g2.t(), x2) if ctx.needs_input_grad[1] else None
+        gw = torch.mm(g2.transpose(0, 1), x2) if ctx.needs_input_grad[1] else None
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
