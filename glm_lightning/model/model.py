@@ -56,7 +56,8 @@ class Block(nn.Module):
         y, mixer_aux = self.mixer(self.mixer_norm(h), valid=valid, cache=cache)
         streams = self.hc_mixer.write(streams, maps, y)
         h, maps = self.hc_moe.read(streams)
-        y, moe_aux = self.moe(self.moe_norm(h))
+        # with a cache and nothing to train (decoding) no one reads the balance loss (DSA skips its own likewise)
+        y, moe_aux = self.moe(self.moe_norm(h), want_aux=cache is None or (self.training and torch.is_grad_enabled()))
         return self.hc_moe.write(streams, maps, y), mixer_aux + moe_aux
 
 
