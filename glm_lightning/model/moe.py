@@ -120,6 +120,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         self.register_buffer("load_counts", torch.zeros(E, dtype=torch.float32), persistent=False)
         self.register_buffer("last_load", torch.zeros(E, dtype=torch.float32), persistent=False)
+        self.register_buffer("_no_aux", torch.zeros(()), persistent=False)  # the skipped loss, not re-made per call
 
     # ----------------------------------------------------------------------------------------------------------------
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -188,7 +189,7 @@ class MoE(nn.Module):
         if want_aux and self.balance_loss_weight > 0 and B * T > 0:
             aux = self._balance_loss(s.view(B, T, self.n_experts), idx.view(B, T, self.top_k))
         else:
-            aux = torch.zeros((), device=x.device, dtype=torch.float32)
+            aux = self._no_aux
         return y.view(B, T, d), aux
 
     # ----------------------------------------------------------------------------------------------------------------
