@@ -367,3 +367,21 @@ def test_chunked_backward_takes_broadcast_gradients():
     (o_r.sum() + s_r.sum()).backward()
     for a, b in zip((q, k, v, g, beta, s0), ref):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=3e-5)
+
+
+def test_decode_step_in_place_equals_recurrent_step():
+    """The decode fast path (_delta_step_, heads flattened into bmm batches) on strided slices of a fused q|k|v
+    projection, as decoding passes them, equals one step of the reference recurrence, and writes S in place."""
+    from glm_lightning.model.kda import _delta_step_
+    gen = torch.Generator().manual_seed(3)
+    B, H, K = 3, 2, 4
+    qkv = torch.randn(B, 1, 3, H, K, generator=gen)
+    q, k, v = (F.normalize(qkv[:, :, i], dim=-1) if i < 2 else qkv[:, :, i] for i in range(3))
+    g = -torch.rand(B, 1, H, K, generator=gen)
+    beta = torch.rand(B, 1, H, generator=gen)
+    s0 = torch.randn(B, H, K, K, generator=gen)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, s0.clone())
+    S = s0.clone()
+    o = _delta_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
+    torch.testing.assert_close(o, o_ref[:, 0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(S, s_ref, rtol=1e-5, atol=1e-6)

@@ -38,3 +38,19 @@ def test_linear_gradcheck_fp64_and_frozen_parts():
     w_frozen = w.detach()
     (gx,) = torch.autograd.grad(linear(x, w_frozen).sum(), x)
     torch.testing.assert_close(gx, w_frozen.sum(0).expand_as(x))
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (2, 9, 7), (4, 1, 7)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_no_grad_path_is_f_linear_bit_for_bit(shape, with_bias, contiguous):
+    """Without autograd (decoding) linear calls mm/addmm itself: the same values as F.linear, exactly."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen)
+    x = x[..., ::2] if not contiguous else x[..., : shape[-1]].contiguous()
+    w = torch.randn(6, shape[-1], generator=gen)
+    b = torch.randn(6, generator=gen) if with_bias else None
+    with torch.no_grad():
+        y = linear(x, w, b)
+    assert y.shape == (*shape[:-1], 6)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=0, atol=0)

@@ -88,3 +88,14 @@ def test_out_of_range_positions_raise_and_buffers_not_persistent() -> None:
         RotaryEmbedding(7, max_seq_len=16)
     assert rope.state_dict() == {}
     assert rope.cos.dtype == torch.float32 and rope.cos.shape == (16, 8)
+
+
+def test_cos_sin_of_a_range_is_the_tensor_lookup():
+    """A step-1 range of positions (DSA's contiguous positions) slices the table: the same rows as an index tensor."""
+    rope = RotaryEmbedding(8, max_seq_len=16)
+    for start, stop in ((0, 16), (5, 6), (3, 11)):
+        for a, b in zip(rope.cos_sin(range(start, stop)), rope.cos_sin(torch.arange(start, stop))):
+            assert torch.equal(a, b)
+    for bad in (range(10, 17), range(-1, 3), range(0, 8, 2)):
+        with pytest.raises(ValueError):
+            rope.cos_sin(bad)

@@ -232,7 +232,7 @@ class LightningIndexer(nn.Module):
         self.w_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
         self.rope = RotaryEmbedding(self.rope_dim, cfg.max_seq_len, cfg.rope_base) if self.rope_dim > 0 else None
 
-    def query(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def query(self, x: torch.Tensor, positions: torch.Tensor | range) -> tuple[torch.Tensor, torch.Tensor]:
         """``q_I [B, H_I, T, D_I]`` (RoPE on the first rope_dim channels) and scaled weights ``w [B, T, H_I]``."""
         B, T, _ = x.shape
         q = linear(x, self.q_proj.weight).view(B, T, self.n_heads, self.head_dim)
@@ -241,7 +241,7 @@ class LightningIndexer(nn.Module):
             q = apply_rotary(q, cos[:, None], sin[:, None])
         return q.transpose(1, 2), linear(x, self.w_proj.weight) * self.w_scale
 
-    def key(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def key(self, x: torch.Tensor, positions: torch.Tensor | range) -> torch.Tensor:
         """The shared indexer key ``k_I = RoPE(LayerNorm(W_k x))``: ``[B, T, D_I]``."""
         k = self.k_norm(linear(x, self.k_proj.weight))
         if self.rope is not None:
@@ -291,7 +291,7 @@ class SparseAttention(nn.Module):
                     nn.init.zeros_(m.bias)
 
     # --- pieces -----------------------------------------------------------------------------------------------------
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor | range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         q = self.q_norm(linear(x, self.q_proj.weight).view(B, T, H, D))
@@ -316,7 +316,7 @@ class SparseAttention(nn.Module):
         ``k = min(index_top_k, T)``.
         """
         B, T, _ = x.shape
-        positions = torch.arange(T, device=x.device)
+        positions = range(T)  # contiguous: RoPE slices its table
         iq, iw = self.indexer.query(x, positions)
         scores = lightning_index_scores(iq, iw, self.indexer.key(x, positions))
         return topk_select(scores, _allowed_keys(T, T, 0, valid, x.device), self.top_k)
@@ -336,7 +336,7 @@ class SparseAttention(nn.Module):
         """Whole sequences from position 0: causal SDPA when T <= top_k (the exact dense bypass), else SDPA masked
         to the indexer's top-k keys."""
         B, T, _ = x.shape
-        positions = torch.arange(T, device=x.device)
+        positions = range(T)  # contiguous: RoPE slices its table
         want_loss = self.training and torch.is_grad_enabled()
         sparse = T > self.top_k
         q, k, v = self._qkv(x, positions)
@@ -366,7 +366,7 @@ class SparseAttention(nn.Module):
         cache.check_append(B, T)
         start = cache.length
         S = start + T
-        positions = torch.arange(start, S, device=x.device)
+        positions = range(start, S)
         want_loss = self.training and torch.is_grad_enabled()
         sparse = S > self.top_k
         q, k, v = self._qkv(x, positions)
@@ -393,7 +393,7 @@ class SparseAttention(nn.Module):
             return y, x.new_zeros(())
         return y, self._indexer_loss(q, k, scores, loss_keys, attn_mask, valid)
 
-    def _index_scores(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _index_scores(self, x: torch.Tensor, positions: torch.Tensor | range) -> torch.Tensor:
         """Lightning-indexer scores [B, T, T] of a full sequence, from x.detach() (stage-2 training)."""
         xi = x.detach()
         iq, iw = self.indexer.query(xi, positions)

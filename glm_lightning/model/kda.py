@@ -189,12 +189,17 @@ def kda_chunked(
 
 def _delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> Tensor:
     """One recurrent step written into S in place (decode, no autograd). q, k, g [B, H, K]; v [B, H, V]; beta [B, H];
-    S [B, H, K, V] fp32. Returns o [B, H, V]."""
-    S.mul_(_f32(g).exp().unsqueeze(-1))                                     # Diag(exp g) S
-    kk = _f32(k).unsqueeze(-1)                                              # [B, H, K, 1]
-    e = _f32(v) - (kk.transpose(-1, -2) @ S).squeeze(-2)                    # v - S^T k
-    S.addcmul_(kk, (_f32(beta).unsqueeze(-1) * e).unsqueeze(-2))            # S += k (beta e)^T
-    return (_f32(q).unsqueeze(-2) @ S).squeeze(-2)                          # S^T q
+    S [B, H, K, V] fp32, contiguous. Returns o [B, H, V].
+
+    The heads are flattened into the batch ([B*H, ...] views, one bmm per product): the same bmm kernels that the
+    4-D matmuls ran, in ~25 dispatched ops instead of ~55 (matmul's expand/reshape/view chain per product)."""
+    B, H, K, V = S.shape
+    Sf = S.view(B * H, K, V)
+    kf = _f32(k).reshape(B * H, K, 1)
+    Sf.mul_(_f32(g).reshape(B * H, K, 1).exp())                                # Diag(exp g) S
+    e = _f32(v).reshape(B * H, 1, V) - torch.bmm(kf.transpose(1, 2), Sf)       # v - S^T k   [BH, 1, V]
+    Sf.addcmul_(kf, e.mul_(_f32(beta).reshape(B * H, 1, 1)))                   # S += k (beta e)^T
+    return torch.bmm(_f32(q).reshape(B * H, 1, K), Sf).view(B, H, V)          # S^T q
 
 
 def _writable(t: Tensor) -> bool:

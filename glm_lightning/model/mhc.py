@@ -203,13 +203,14 @@ class SiteReadFused(torch.autograd.Function):
         flat = x.view(N, n * C)
         norm = torch.linalg.vector_norm(flat, dim=-1, keepdim=True)
         inv_rms = torch.addcmul(site._norm_eps, norm, norm, value=1.0 / (n * C)).rsqrt_()
-        raw = torch.mm(flat, phi.t())
-        alpha_e = alpha[site._alpha_index]
+        # transpose, index_select and view below: the same values as .t(), [] and unflatten, in fewer dispatched ops
+        raw = torch.mm(flat, phi.transpose(0, 1))
+        alpha_e = alpha.index_select(0, site._alpha_index)
         z = raw * inv_rms
         logits = torch.addcmul(bias, z, alpha_e)
         sig = torch.sigmoid(logits[:, :2 * n])
         gates = torch.addcmul(site._gate_shift, sig, site._gate_scale)
-        res_logits = logits[:, 2 * n:].unflatten(-1, (n, n))
+        res_logits = logits[:, 2 * n:].view(N, n, n)
         res = torch.ops.glm_lightning.sinkhorn(res_logits, site.iters, site.eps)
         pre = gates[:, :n]
         h = torch.ops.glm_lightning.stream_read(pre, x)
@@ -234,7 +235,7 @@ class SiteReadFused(torch.autograd.Function):
         coef = (dz * raw).sum(-1, keepdim=True).mul_(inv_rms * inv_rms).mul_(inv_rms)
         draw = dz.mul_(inv_rms)
         flat = x.view(N, n * C)
-        dphi = torch.mm(draw.t(), flat)
+        dphi = torch.mm(draw.transpose(0, 1), flat)
         dx.view(N, n * C).add_(torch.addcmul(torch.mm(draw, phi), flat, coef, value=-1.0 / (n * C)))
         return dx, dphi, dalpha, dbias, None
 

@@ -31,7 +31,8 @@ class GLMOutput:
     logits: torch.Tensor
     """[B, T, vocab] next-token logits."""
     aux_loss: torch.Tensor
-    """Scalar: MoE balance loss + DSA indexer loss over all layers (weighted)."""
+    """Scalar: MoE balance loss + DSA indexer loss over all layers (weighted); 0 for a call with a decoding cache
+    unless training with autograd on (generation never reads it)."""
 
 
 class Block(nn.Module):
@@ -56,7 +57,8 @@ class Block(nn.Module):
         y, mixer_aux = self.mixer(self.mixer_norm(h), valid=valid, cache=cache)
         streams = self.hc_mixer.write(streams, maps, y)
         h, maps = self.hc_moe.read(streams)
-        y, moe_aux = self.moe(self.moe_norm(h))
+        # with a cache and nothing to train (decoding) no one reads the balance loss (DSA skips its own likewise)
+        y, moe_aux = self.moe(self.moe_norm(h), want_aux=cache is None or (self.training and torch.is_grad_enabled()))
         return self.hc_moe.write(streams, maps, y), mixer_aux + moe_aux
 
 
@@ -84,9 +86,11 @@ class GLMModel(nn.Module):
         x = self._embed_checked(input_ids, input_embeds, cache)
         streams = expand_streams(x, self.cfg.hc_streams)
         aux = x.new_zeros(())
+        want_aux = cache is None or (self.training and torch.is_grad_enabled())  # decoding: nothing reads it
         for i, block in enumerate(self.blocks):
             streams, block_aux = block(streams, valid=valid, cache=None if cache is None else cache.layers[i])
-            aux = aux + block_aux
+            if want_aux:
+                aux = aux + block_aux
         if cache is not None:
             cache.length += x.shape[1]
         h = self.final_norm(collapse_streams(streams))

@@ -120,6 +120,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
         self.register_buffer("load_counts", torch.zeros(E, dtype=torch.float32), persistent=False)
         self.register_buffer("last_load", torch.zeros(E, dtype=torch.float32), persistent=False)
+        self.register_buffer("_no_aux", torch.zeros(()), persistent=False)  # the skipped loss, not re-made per call
 
     # ----------------------------------------------------------------------------------------------------------------
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -172,8 +173,9 @@ class MoE(nn.Module):
             coef = f.mul_(self.balance_loss_weight / (B * T)).unsqueeze(1)
         return ((s / s.sum(dim=-1, keepdim=True)) * coef).sum()
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``x`` [B, T, d] -> (``y`` [B, T, d], scalar fp32 balance loss; 0 if its weight is 0 or no tokens)."""
+    def forward(self, x: Tensor, want_aux: bool = True) -> tuple[Tensor, Tensor]:
+        """``x`` [B, T, d] -> (``y`` [B, T, d], scalar fp32 balance loss; 0 if its weight is 0, no tokens, or not
+        ``want_aux``: decoding with a cache skips it, ~29 dispatched ops per layer and token that nothing reads)."""
         B, T, d = x.shape
         xf = x.reshape(B * T, d)
         s, idx, w = self.route(xf)
@@ -184,10 +186,10 @@ class MoE(nn.Module):
         y = self._dispatch(xf, idx, w, counts_t.tolist())
         if self.shared_gate_up is not None:
             y = y + self._swiglu(xf, self.shared_gate_up, self.shared_down)
-        if self.balance_loss_weight > 0 and B * T > 0:
+        if want_aux and self.balance_loss_weight > 0 and B * T > 0:
             aux = self._balance_loss(s.view(B, T, self.n_experts), idx.view(B, T, self.top_k))
         else:
-            aux = torch.zeros((), device=x.device, dtype=torch.float32)
+            aux = self._no_aux
         return y.view(B, T, d), aux
 
     # ----------------------------------------------------------------------------------------------------------------

@@ -79,8 +79,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos/sin of shape ``[*positions.shape, dim]`` for integer ``positions``."""
+    def cos_sin(self, positions: torch.Tensor | range) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos/sin of shape ``[*positions.shape, dim]`` for integer ``positions``. A ``range`` (step 1) of
+        positions gives the table rows as a slice: the bounds are checked in Python, not by min/max host syncs
+        (2 dispatched ops per table instead of 9; DSA passes its contiguous positions so)."""
+        if isinstance(positions, range):
+            if positions.step != 1 or positions.start < 0 or positions.stop > self.max_seq_len:
+                raise ValueError(f"RoPE positions must be a step-1 range in [0, {self.max_seq_len}), got {positions}")
+            return self.cos[positions.start:positions.stop], self.sin[positions.start:positions.stop]
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.max_seq_len):
             raise ValueError(
                 f"RoPE positions must lie in [0, {self.max_seq_len}), got "

@@ -27,6 +27,7 @@ import torch
 
 from glm_lightning.evaluation import VerifierSettings
 from glm_lightning.model import GLMConfig, GLMModel
+from glm_lightning.optim import AdamW
 
 INIT_WEIGHTS_REQUIRED = "required: a checkpoint path, or null for random weights"
 """Default of `init_weights` for stages that continue an earlier stage (vision, RL): not a path, a reminder."""
@@ -182,8 +183,8 @@ class StageModule(pl.LightningModule):
         return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def configure_optimizers(self) -> dict[str, Any]:
-        # fused: one kernel per parameter group instead of ~10 ops per tensor (study model: 2,573 -> 583 ops per step)
-        opt = torch.optim.AdamW(self.param_groups(), lr=self.hparams.lr, betas=tuple(self.hparams.betas), fused=True)
+        # torch's fused kernel, step counters shared (glm_lightning/optim.py; study model: 2,573 -> 583 -> 168 ops)
+        opt = AdamW(self.param_groups(), lr=self.hparams.lr, betas=tuple(self.hparams.betas))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_lambda)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
