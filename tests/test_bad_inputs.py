@@ -89,9 +89,6 @@ CASES = {
                                                  "--trainer.callbacks.train=[model.blocks.11.*]", config=RL_TINY),
                                             "closest names: model.blocks.1.*"),
     "fit: continuing stage without init_weights": (_fit(config="@no_start"), "init_weights is not set"),
-    "fit: contradictory trainer settings": (_fit("--trainer.enable_progress_bar", "false",
-                                                 "--trainer.callbacks+=RichProgressBar"),
-                                            "enable_progress_bar=False` but found `RichProgressBar`"),
     # commands
     "unknown command": (["frobnicate"], "unknown command 'frobnicate'"),
     "demo: broken chain": (["demo", "--stages", "vision,rl"], "prefix"),
