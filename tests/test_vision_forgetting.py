@@ -129,11 +129,11 @@ def test_forgetting_study_validates_every_variant(tmp_path, monkeypatch, capsys)
     study_path = Path(__file__).resolve().parent.parent / "configs" / "experiments" / "vision_forgetting.yaml"
     study = load_study(study_path)
     assert [v.name for v in study.variants] == ["frozen_lm", "last_block", "replay", "replay_every_batch",
-                                                "group_lrs", "adapters", "adapters_replay"]
+                                                "group_lrs", "adapters", "adapters_replay", "image_adapters"]
     assert study.seeds == [0, 1, 2] and study.primary.tag == "val/acc"
     run_sweep(["--config", str(study_path), "--out", str(tmp_path / "sweeps"), "--dry-run"])
     out = capsys.readouterr().out
-    assert out.count("python -m glm_lightning fit") == 7 * 3
+    assert out.count("python -m glm_lightning fit") == 8 * 3
 
 
 def test_adapted_kda_weights_evaluate_under_inference_mode_and_never_go_stale():

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
+from glm_lightning.image_adapters import ImageTokenAdapters
 from glm_lightning.lora import apply_lora, is_lora_parametrized, lora_checkpoint_state, merge_lora, restore_lora_state
 from glm_lightning.modules.lr_groups import build_param_groups, parse_lr_groups
 from glm_lightning.model.vision import VisionConfig, VisionEncoder, splice_image_features
@@ -38,6 +39,7 @@ DIGIT_IDS = tuple(TOK.encode("0123456789"))
 NUM_CLASSES = 10
 IGNORE = -100
 LORA_KEYS = {"targets", "rank", "alpha", "merge_at_end"}
+IMAGE_ADAPTER_KEYS = {"targets", "rank", "alpha"}
 
 
 def image_prompt_ids(num_image_tokens: int, prompt: str = "Digit: ") -> list[int]:
@@ -62,6 +64,7 @@ class VisionModule(StageModule):
         lr_groups: list[dict[str, Any]] | None = None,
         lora: dict[str, Any] | None = None,
         text_loss_weight: float = 1.0,
+        image_adapters: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         """
@@ -78,12 +81,18 @@ class VisionModule(StageModule):
                 merge_at_end: true}``. Checkpoints always hold the merged weights (plus the adapters, for resuming).
             text_loss_weight: weight of the next-token loss on replayed text batches (``batch["text"]``, served
                 by DigitsDataModule's `text_replay`).
+            image_adapters: low-rank adapters that act only at image-token positions
+                (:mod:`glm_lightning.image_adapters`), in parallel to the matched sublayers:
+                ``{targets: ["model.blocks.*.mixer", "model.blocks.*.moe"], rank: 16, alpha: 16}``. Text-only inputs
+                then run exactly the loaded language model. Their parameters are named ``image_adapters.*`` (give
+                them an `lr_groups` entry); they stay separate in the checkpoint (they cannot be merged).
             **kwargs: the shared stage arguments (`StageModule`: preset, model_overrides, init_weights, lr, ...).
         """
         if aux_loss_weight < 0 or log_images < 0 or text_loss_weight < 0:
             raise ValueError("aux_loss_weight, log_images and text_loss_weight must be >= 0")
         self._lr_groups = parse_lr_groups(lr_groups)
         lora = check_lora(lora)
+        self._image_adapter_spec = check_image_adapters(image_adapters)
         super().__init__(**kwargs)
         self.lora_targets: list[str] = []
         if lora is not None:  # after init_weights: the checkpoint's plain weights are the adapters' base
@@ -109,21 +118,35 @@ class VisionModule(StageModule):
                              f"{self.glm_config.max_seq_len}")
         self.register_buffer("prompt_ids", torch.tensor(ids, dtype=torch.long), persistent=False)
         self.register_buffer("digit_ids", torch.tensor(DIGIT_IDS, dtype=torch.long), persistent=False)
+        self.image_adapters: ImageTokenAdapters | None = None
+        spec = self._image_adapter_spec
+        if spec is not None:  # built before the weights load, so a vision checkpoint's adapters load with them
+            self.image_adapters = ImageTokenAdapters(self, spec["targets"], width=self.glm_config.d_model,
+                                                     rank=spec["rank"], alpha=spec["alpha"])
 
     def load_stage_weights(self, checkpoint: dict[str, Any], path: str | Path, strict: bool) -> None:
-        """The vision encoder's weights when the checkpoint comes from a vision run with the same vision config."""
+        """The vision encoder's weights when the checkpoint comes from a vision run with the same vision config (and
+        the image adapters', when both runs have the same ones)."""
         if "vision_config" not in checkpoint:
             return
         if checkpoint["vision_config"] != self.vision_config.to_dict():
             rank_zero_warn(f"{path}: vision config differs from this run's; the vision encoder starts from scratch")
             return
-        state = {k.removeprefix("vision."): v for k, v in checkpoint.get("state_dict", {}).items()
-                 if k.startswith("vision.")}
+        saved = checkpoint.get("state_dict", {})
+        state = {k.removeprefix("vision."): v for k, v in saved.items() if k.startswith("vision.")}
         self.vision.load_state_dict(state, strict=strict)
+        adapters = {k.removeprefix("image_adapters."): v for k, v in saved.items() if k.startswith("image_adapters.")}
+        if self.image_adapters is not None and adapters:
+            if checkpoint.get("image_adapters") != self._image_adapter_spec:
+                rank_zero_warn(f"{path}: image adapters differ from this run's; they start from zero")
+            else:
+                self.image_adapters.load_state_dict(adapters, strict=strict)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["vision_config"] = self.vision_config.to_dict()
+        if self._image_adapter_spec is not None:
+            checkpoint["image_adapters"] = self._image_adapter_spec
         if "state_dict" in checkpoint and is_lora_parametrized(self):
             # the plain merged weights load anywhere (init_weights of a later stage); the adapters ride along
             checkpoint["state_dict"], checkpoint["lora_state"] = lora_checkpoint_state(self, checkpoint["state_dict"])
@@ -174,7 +197,10 @@ class VisionModule(StageModule):
             input_ids = self.input_ids(images.shape[0])
         embeds = self.model.embed(input_ids)
         embeds = splice_image_features(embeds, input_ids, features, TOK.image_id)
-        return self.model(input_embeds=embeds)
+        if self.image_adapters is None:
+            return self.model(input_embeds=embeds)
+        with self.image_adapters.active(input_ids == TOK.image_id):
+            return self.model(input_embeds=embeds)
 
     def _step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         images, labels = batch["image"], batch["label"]
@@ -339,6 +365,19 @@ def check_lora(lora: dict[str, Any] | None) -> dict[str, Any] | None:
     if extra:
         raise ValueError(f"lora: unknown key(s) {sorted(extra)}; allowed: {sorted(LORA_KEYS)}")
     return {"rank": 8, "alpha": 16.0, "merge_at_end": True, **lora}
+
+
+def check_image_adapters(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The `image_adapters` argument with its defaults (rank 16, alpha 16); errors name the bad key."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or "targets" not in spec:
+        raise ValueError(f"image_adapters must be a mapping with `targets` (glob patterns of sublayers such as "
+                         f"model.blocks.*.mixer), got {spec!r}")
+    extra = set(spec) - IMAGE_ADAPTER_KEYS
+    if extra:
+        raise ValueError(f"image_adapters: unknown key(s) {sorted(extra)}; allowed: {sorted(IMAGE_ADAPTER_KEYS)}")
+    return {"rank": 16, "alpha": 16.0, **spec}
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
