@@ -14,6 +14,10 @@ Checkpoints taken at a step boundary (schedule, SIGINT, SIGTERM, validation-time
 data stream, optimizer and loop counters all continue. An exception in the middle of a training step keeps the
 weights of the last completed step, but the data stream skips the batch that failed.
 
+A `ModelCheckpoint(save_last=True)` in the same directory would write the same file too, and Lightning would then
+version its copy as `last-v1.ckpt` next to ours; this callback takes that job over (it sets their `save_last` to
+False at the start of fit), so the directory holds one `last.ckpt`, always the newest.
+
 Like every checkpoint, it is off with `trainer.enable_checkpointing: false` and under `fast_dev_run`.
 The directory is the first `ModelCheckpoint`'s (`<log dir>/checkpoints` by default), so the README's resume recipe
 (`--ckpt_path .../checkpoints/last.ckpt`) always finds it.
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
 LAST_NAME = "last.ckpt"
@@ -86,7 +90,19 @@ class LastCheckpoint(Callback):
         """What the first Ctrl-C does (also used by tests): stop after the current step, with last.ckpt saved."""
         self._stop_requested = True
 
+    def _take_over_save_last(self, trainer: pl.Trainer) -> None:
+        """Switch off `save_last` of ModelCheckpoints that write into our directory (after their setup, which
+        resolves their directory): one last.ckpt, ours, and no `last-v1.ckpt` beside it."""
+        if trainer.checkpoint_callback is None:
+            return
+        ours = self.directory(trainer).resolve()
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.save_last and cb.dirpath is not None \
+                    and Path(cb.dirpath).resolve() == ours:
+                cb.save_last = False
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_over_save_last(trainer)
         self._stop_requested = False
         if threading.current_thread() is threading.main_thread():
             self._old_sigint = signal.signal(signal.SIGINT, self._on_sigint)

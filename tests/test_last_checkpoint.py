@@ -98,13 +98,16 @@ class RecordLast(Callback):
 
 
 def test_last_is_saved_on_the_step_schedule_even_with_a_monitored_best(tmp_path):
-    """A monitoring ModelCheckpoint (save_last, save_top_k=1) refreshes last.ckpt only at a new best; the step
-    schedule keeps it current in between."""
+    """A monitoring ModelCheckpoint (save_last, save_top_k=1) would refresh last.ckpt only at a new best (and
+    version its own copy as last-v1.ckpt beside ours): LastCheckpoint takes that job over and keeps one last.ckpt
+    current on the step schedule."""
     rec = RecordLast()
-    _fit(tmp_path, "--last_checkpoint.every_n_train_steps", "2", "--trainer.callbacks+=ModelCheckpoint",
+    cli = _fit(tmp_path, "--last_checkpoint.every_n_train_steps", "2", "--trainer.callbacks+=ModelCheckpoint",
          "--trainer.callbacks.monitor=val/loss", "--trainer.callbacks.save_last=true", callbacks=(rec,))
     assert rec.seen[:3] == [None, None, 2] and rec.seen[4:] == [4, 4], rec.seen  # steps 2 and 4 by the schedule
-    assert rec.seen[3] in (2, 3)  # the monitored checkpoint may refresh it at step 3 (a new best)
+    assert rec.seen[3] == 2, "the monitored checkpoint leaves last.ckpt to LastCheckpoint"
+    names = sorted(p.name for p in _last(cli).parent.iterdir())
+    assert "last.ckpt" in names and not any(n.startswith("last-v") for n in names), names
 
 
 def test_resume_continues_in_the_same_log_directory(tmp_path, monkeypatch):
