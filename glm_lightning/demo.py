@@ -1,7 +1,8 @@
 """`make demo`: the whole product on embedded defaults, no network; each stage's checkpoint feeds the next.
 
     stage 1  pre-training   a small model learns the classic function families (configs/demo/pretrain.yaml)
-    stage 2  vision         digit images for that model, language model frozen (configs/demo/vision.yaml);
+    stage 2  vision         digit images for that model: encoder + image-token adapters, every LM weight frozen
+                            (configs/demo/vision.yaml);
                             afterwards the text dev pass is measured again (did vision fine-tuning cost text skill?)
     stage 3  RL             GRPO-family RL on executable tasks from the stage-2 weights (configs/demo/rl.yaml):
                             pass@1 / pass@8 / greedy on the confirm split before and after, regression verdicts

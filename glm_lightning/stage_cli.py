@@ -25,6 +25,7 @@ os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
 import lightning.pytorch as pl  # noqa: E402
 from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback  # noqa: E402
+from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
 import callbacks  # noqa: E402,F401  (registers callbacks for class_path lookup)
 from callbacks.last_checkpoint import LastCheckpoint  # noqa: E402
@@ -66,6 +67,23 @@ class GLMCLI(LightningCLI):
             resume_into_same_run(config)
         if config is not None:
             drop_progress_bars_when_disabled(config)
+
+    def after_instantiate_classes(self) -> None:
+        super().after_instantiate_classes()
+        choose_run_threads(self.model)
+
+
+def choose_run_threads(model: Any) -> int | None:
+    """Set torch's intra-op threads for this run with `use_threads` (one for dispatch-bound small models, else one
+    per idle core), unless the user fixed them with OMP_NUM_THREADS; returns the count set (None = left alone)."""
+    cfg = getattr(model, "glm_config", None)
+    if os.environ.get("OMP_NUM_THREADS") or cfg is None:
+        return None
+    from glm_lightning.model.threads import use_threads
+
+    n = use_threads(cfg)
+    rank_zero_info(f"[threads] {n} intra-op thread(s) for this {cfg.d_model}-wide model (OMP_NUM_THREADS overrides)")
+    return n
 
 
 def drop_progress_bars_when_disabled(config: Any) -> None:
