@@ -9,12 +9,13 @@ fuses its q/k/v weights and calls them as raw tensors::
     y = sublayer(x)                                   x = the sublayer's (normed) input [B, T, C_in]
     y = y + mask * scale * (x @ down^T) @ up^T        mask [B, T, 1]: 1 at <image> positions, 0 elsewhere
 
-with down [r, C_in] (nn.Linear's init), up [C_out, r] = 0, scale = alpha / r. up = 0 makes the adapted model exactly the
-original at the start, and a text-only input (mask all zero, or no mask set) gives exactly the frozen model's
+with down [r, C_in] (nn.Linear's init), up [C_out, r] = 0, scale = alpha / r. up = 0 makes the adapted model exactly
+the original at the start, and a text-only input (mask all zero, or no mask set) gives exactly the frozen model's
 outputs forever: fine-tuning on images cannot cost any text skill. Text positions of an image prompt still change,
 because they attend to image positions whose states the adapters shape; that is how the answer learns to depend on
-the picture. Unlike LoRA these adapters cannot be merged into the weights (they depend on the position), so they
-stay separate parameters in the checkpoint.
+the picture (so the last block's adapters never learn: no later position reads what they write). Unlike LoRA these
+adapters cannot be merged into the weights (they depend on the position), so they stay separate parameters in the
+checkpoint. The mask covers one forward over whole sequences (the vision stage's use), not cached decoding.
 
     adapters = ImageTokenAdapters(model, ["blocks.*.mixer", "blocks.*.moe"], width=192, rank=16)
     with adapters.active(input_ids == image_id):

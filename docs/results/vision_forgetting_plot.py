@@ -1,7 +1,7 @@
 """Digit accuracy vs text dev pass, one point per method and seed, from a vision_forgetting sweep's runs.
 
     PYTHONPATH=. python docs/results/vision_forgetting_plot.py runs/sweeps/vision_forgetting \
-        docs/results/vision_forgetting.png <text pass before, %>
+        docs/results/vision_forgetting.png <text pass before, %> [title]
 """
 import sys
 from pathlib import Path
@@ -28,6 +28,8 @@ ax.axhline(baseline - 2, color="gray", ls=":", lw=1, label="-2 points")
 ax.set_xlabel("digit val accuracy (%)")
 ax.set_ylabel("text dev pass (%, 64 tasks)")
 ax.legend(fontsize=7, loc="best")
+if len(sys.argv) > 4:
+    ax.set_title(sys.argv[4], fontsize=9)
 fig.tight_layout()
 fig.savefig(out, dpi=110)
 for r in rows:

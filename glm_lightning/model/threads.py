@@ -5,14 +5,18 @@ Two observations on a 2-core machine decide it:
   nothing from a second thread, and every one of its ~10k small ops then pays an OpenMP fork/join;
 - when other processes already keep the cores busy, OpenMP threads spin-wait for a core and a step can get 5-10x
   slower (measured: study model 0.17 s/step at 1 thread vs 1.07 s at 2 threads with a load average of 3.5 on 2 cores).
-So: one thread for small models; otherwise one thread per core that is not already busy (1-minute load average),
-at least one. Call it once at start-up, before the work starts (the load average then counts only other processes).
+So: one thread for small models; otherwise one thread per core that is not already busy, at least one. "Busy" is
+measured over a quarter second from /proc/stat (the CPU time other processes use right now); the 1-minute load average
+is only the fallback where /proc/stat is missing, because it lags: just after a long job ends it still reads ~2 on
+2 idle cores, and a run started then would get one thread for its whole life. Call it once at start-up, before the
+work starts (this process is then idle, so only other processes count).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import time
 
 import torch
 
@@ -30,14 +34,43 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def idle_cores(cores: int | None = None) -> int:
-    """Cores not already kept busy by other processes (from the 1-minute load average), at least 1."""
-    cores = available_cores() if cores is None else cores
+def _cpu_times() -> tuple[float, float]:
+    """(busy, total) CPU time summed over all CPUs so far, from the first line of /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [float(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - idle, total
+
+
+def busy_between(before: tuple[float, float], after: tuple[float, float], cpus: int) -> float:
+    """CPUs' worth of busy time between two `_cpu_times` samples (0 .. cpus)."""
+    total = after[1] - before[1]
+    return 0.0 if total <= 0 else cpus * (after[0] - before[0]) / total
+
+
+def busy_cores(window_s: float = 0.25) -> float | None:
+    """How many cores other processes keep busy now: /proc/stat over `window_s`, else the 1-minute load average,
+    else None (unknown)."""
     try:
-        load = os.getloadavg()[0]
+        before = _cpu_times()
+        time.sleep(window_s)  # measuring, not synchronising: other processes' CPU time accrues meanwhile
+        return busy_between(before, _cpu_times(), os.cpu_count() or 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.getloadavg()[0]
     except (AttributeError, OSError):
+        return None
+
+
+def idle_cores(cores: int | None = None) -> int:
+    """Cores not already kept busy by other processes (:func:`busy_cores`), at least 1."""
+    cores = available_cores() if cores is None else cores
+    busy = busy_cores()
+    if busy is None:
         return cores
-    return max(1, min(cores, math.floor(cores - load + 0.5)))
+    return max(1, min(cores, math.floor(cores - busy + 0.5)))
 
 
 def choose_threads(cfg: GLMConfig | None = None, cores: int | None = None) -> int:
