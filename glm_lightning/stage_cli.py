@@ -74,15 +74,15 @@ class GLMCLI(LightningCLI):
 
 
 def choose_run_threads(model: Any) -> int | None:
-    """Set torch's intra-op threads for this run with `use_threads` (one for dispatch-bound small models, else one
-    per idle core), unless the user fixed them with OMP_NUM_THREADS; returns the count set (None = left alone)."""
+    """Set torch's intra-op threads for this run with `use_threads` (one per core other processes leave idle),
+    unless the user fixed them with OMP_NUM_THREADS; returns the count set (None = left alone)."""
     cfg = getattr(model, "glm_config", None)
     if os.environ.get("OMP_NUM_THREADS") or cfg is None:
         return None
     from glm_lightning.model.threads import use_threads
 
     n = use_threads(cfg)
-    rank_zero_info(f"[threads] {n} intra-op thread(s) for this {cfg.d_model}-wide model (OMP_NUM_THREADS overrides)")
+    rank_zero_info(f"[threads] {n} intra-op thread(s): the idle cores (OMP_NUM_THREADS overrides)")
     return n
 
 

@@ -1,3 +1,4 @@
+import os
 import sys
 
 import pytest
@@ -10,6 +11,7 @@ def _quiet_argv_and_threads():
     start, so module-scoped fixtures (e.g. a reference run compared bit-for-bit) use the same count as the tests."""
     old = sys.argv
     sys.argv = ["pytest"]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the stage CLIs then keep the count below (no start-up probe)
     torch.set_num_threads(1)  # tests run tiny ops: one thread avoids OpenMP spin-wait overhead on 2 shared cores
     yield
     sys.argv = old

@@ -6,9 +6,9 @@ from glm_lightning.model import GLMConfig
 from glm_lightning.model import threads
 
 
-def test_small_models_run_single_threaded(monkeypatch):
+def test_idle_cores_decide_whatever_the_model(monkeypatch):
     monkeypatch.setattr(threads, "busy_cores", lambda: 0.0)
-    assert threads.choose_threads(GLMConfig.preset("tiny"), cores=8) == 1
+    assert threads.choose_threads(GLMConfig.preset("tiny"), cores=8) == 8
     assert threads.choose_threads(GLMConfig.preset("flash-25m"), cores=8) == 8
 
 
@@ -25,7 +25,7 @@ def test_use_threads_sets_torch():
     before = torch.get_num_threads()
     try:
         assert threads.use_threads(threads=1) == 1 and torch.get_num_threads() == 1
-        assert threads.use_threads(GLMConfig.preset("tiny")) == 1 and torch.get_num_threads() == 1
+        assert threads.use_threads(GLMConfig.preset("tiny"), threads=2) == 2 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
 
@@ -39,8 +39,7 @@ def test_stage_cli_chooses_threads_unless_the_user_fixed_them(monkeypatch):
     monkeypatch.setattr(threads, "busy_cores", lambda: 0.0)
     monkeypatch.setattr(threads, "available_cores", lambda: 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert choose_run_threads(wide) == 2 and torch.get_num_threads() == 2, "idle 2 cores, a wide model: both"
-    assert choose_run_threads(SimpleNamespace(glm_config=GLMConfig.preset("tiny"))) == 1 == torch.get_num_threads()
+    assert choose_run_threads(wide) == 2 and torch.get_num_threads() == 2, "idle 2 cores: both"
     monkeypatch.setattr(threads, "busy_cores", lambda: 1.2)
     assert choose_run_threads(wide) == 1, "one core already busy"
     monkeypatch.setenv("OMP_NUM_THREADS", "2")

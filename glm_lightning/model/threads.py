@@ -1,15 +1,16 @@
-"""How many intra-op (OpenMP) threads a CPU run should use: `choose_threads(cfg)`, applied by `use_threads`.
+"""How many intra-op (OpenMP) threads a CPU run should use: `choose_threads()`, applied by `use_threads`.
 
-Two observations on a 2-core machine decide it:
-- a model that is small enough to be bound by per-op dispatch overhead (the study models, d_model < 128) gains
-  nothing from a second thread, and every one of its ~10k small ops then pays an OpenMP fork/join;
+One thread per core that other processes leave idle, at least one:
 - when other processes already keep the cores busy, OpenMP threads spin-wait for a core and a step can get 5-10x
-  slower (measured: study model 0.17 s/step at 1 thread vs 1.07 s at 2 threads with a load average of 3.5 on 2 cores).
-So: one thread for small models; otherwise one thread per core that is not already busy, at least one. "Busy" is
-measured over a quarter second from /proc/stat (the CPU time other processes use right now); the 1-minute load average
-is only the fallback where /proc/stat is missing, because it lags: just after a long job ends it still reads ~2 on
-2 idle cores, and a run started then would get one thread for its whole life. Call it once at start-up, before the
-work starts (this process is then idle, so only other processes count).
+  slower (measured: study model 0.17 s/step at 1 thread vs 1.07 s at 2 threads with a load average of 3.5 on 2 cores);
+- on an idle 2-core machine two threads were never slower, whatever the model (training steps, 1 vs 2 threads
+  alternated in one process: study model 24x128 0.56 vs 0.50 s, tiny 16x64 0.19 vs 0.18 s, demo 16x192 1.58 vs
+  1.01 s, flash-25m vision 32 x 8 tokens 1.46 vs 1.02 s). An earlier rule that gave every model narrower than 128 one
+  thread cost the demo's pre-training 1.6x, so the model no longer matters, only the idle cores.
+"Busy" is measured over a quarter second from /proc/stat (the CPU time other processes use right now); the 1-minute
+load average is only the fallback where /proc/stat is missing, because it lags: just after a long job ends it still
+reads ~2 on 2 idle cores, and a run started then would get one thread for its whole life. Call it once at start-up,
+before the work starts (this process is then idle, so only other processes count).
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ import time
 import torch
 
 from glm_lightning.model.config import GLMConfig
-
-SMALL_MODEL_WIDTH = 128
-"""Below this d_model the model is dispatch-bound and runs single-threaded."""
 
 
 def available_cores() -> int:
@@ -74,9 +72,8 @@ def idle_cores(cores: int | None = None) -> int:
 
 
 def choose_threads(cfg: GLMConfig | None = None, cores: int | None = None) -> int:
-    """The thread count for training or generating with a model of config `cfg` (None: judge by load only)."""
-    if cfg is not None and cfg.d_model < SMALL_MODEL_WIDTH:
-        return 1
+    """The thread count for training or generating (with a model of config `cfg`; its size does not change the
+    answer, see the module docstring): the idle cores."""
     return idle_cores(cores)
 
 
