@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from glm_lightning.lora import check_low_rank_args
+
 
 class ImageTokenAdapter(nn.Module):
     """One low-rank parallel adapter: ``delta = mask * scale * (x @ down^T) @ up^T``, up = 0 at the start."""
@@ -70,12 +72,9 @@ class ImageTokenAdapters(nn.Module):
     def __init__(self, model: nn.Module, patterns: Sequence[str], width: int, rank: int = 16,
                  alpha: float = 16.0) -> None:
         super().__init__()
-        if isinstance(patterns, str) or not patterns or not all(isinstance(p, str) and p for p in patterns):
-            raise ValueError(f"image adapter targets must be a non-empty list of glob strings, got {patterns!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"image adapter rank must be a positive int, got {rank!r}")
-        if not alpha > 0:
-            raise ValueError(f"image adapter alpha must be > 0, got {alpha!r}")
+        check_low_rank_args(patterns, rank, alpha, "image adapter")
+        if rank > width:
+            raise ValueError(f"image adapter rank {rank} exceeds the width {width}")
         modules = dict(model.named_modules())
         targets: list[str] = []
         for pattern in patterns:
@@ -89,8 +88,6 @@ class ImageTokenAdapters(nn.Module):
         self.adapters = nn.ModuleDict()
         self._handles = []
         for name in targets:
-            if rank > width:
-                raise ValueError(f"image adapter rank {rank} exceeds the width {width} of {name}")
             w = next(modules[name].parameters(), None)
             adapter = ImageTokenAdapter(width, width, rank, alpha)
             if w is not None:

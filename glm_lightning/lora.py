@@ -47,16 +47,22 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(module_name) if module_name else root), leaf
 
 
+def check_low_rank_args(patterns: Sequence[str], rank: int, alpha: float, what: str) -> None:
+    """ValueError unless `patterns` is a non-empty list of glob strings, `rank` a positive int and `alpha` > 0
+    (the arguments of every low-rank adapter here: LoRA, image-token adapters)."""
+    if isinstance(patterns, str) or not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError(f"{what} target patterns must be a non-empty list of glob strings, got {patterns!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{what} rank must be a positive int, got {rank!r}")
+    if not alpha > 0:
+        raise ValueError(f"{what} alpha must be > 0, got {alpha!r}")
+
+
 def apply_lora(model: nn.Module, patterns: Sequence[str], rank: int = 8, alpha: float = 16.0) -> list[str]:
     """Add an adapter to every 2-D weight whose parameter name matches a glob pattern; return the adapted names.
 
     A pattern that matches no 2-D parameter is a ValueError naming the closest parameter names."""
-    if isinstance(patterns, str) or not patterns or not all(isinstance(p, str) and p for p in patterns):
-        raise ValueError(f"LoRA target patterns must be a non-empty list of glob strings, got {patterns!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"LoRA rank must be a positive int, got {rank!r}")
-    if not alpha > 0:
-        raise ValueError(f"LoRA alpha must be > 0, got {alpha!r}")
+    check_low_rank_args(patterns, rank, alpha, "LoRA")
     if any(parametrize.is_parametrized(m) for m in model.modules()):
         raise ValueError("the model already has parametrized weights (apply_lora was called twice?)")
     params = dict(model.named_parameters())

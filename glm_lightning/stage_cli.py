@@ -70,18 +70,17 @@ class GLMCLI(LightningCLI):
 
     def after_instantiate_classes(self) -> None:
         super().after_instantiate_classes()
-        choose_run_threads(self.model)
+        choose_run_threads()
 
 
-def choose_run_threads(model: Any) -> int | None:
+def choose_run_threads() -> int | None:
     """Set torch's intra-op threads for this run with `use_threads` (one per core other processes leave idle),
     unless the user fixed them with OMP_NUM_THREADS; returns the count set (None = left alone)."""
-    cfg = getattr(model, "glm_config", None)
-    if os.environ.get("OMP_NUM_THREADS") or cfg is None:
+    if os.environ.get("OMP_NUM_THREADS"):
         return None
     from glm_lightning.model.threads import use_threads
 
-    n = use_threads(cfg)
+    n = use_threads()
     rank_zero_info(f"[threads] {n} intra-op thread(s): the idle cores (OMP_NUM_THREADS overrides)")
     return n
 

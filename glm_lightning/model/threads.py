@@ -5,7 +5,7 @@ One thread per core that other processes leave idle, at least one:
   slower (measured: study model 0.17 s/step at 1 thread vs 1.07 s at 2 threads with a load average of 3.5 on 2 cores);
 - on an idle 2-core machine two threads were never slower, whatever the model (training steps, 1 vs 2 threads
   alternated in one process: study model 24x128 0.56 vs 0.50 s, tiny 16x64 0.19 vs 0.18 s, demo 16x192 1.58 vs
-  1.01 s, flash-25m vision 32 x 8 tokens 1.46 vs 1.02 s). An earlier rule that gave every model narrower than 128 one
+  1.01 s, flash-25m vision 32 x 14 tokens 1.46 vs 1.02 s). An earlier rule that gave every model narrower than 128 one
   thread cost the demo's pre-training 1.6x, so the model no longer matters, only the idle cores.
 "Busy" is measured over a quarter second from /proc/stat (the CPU time other processes use right now); the 1-minute
 load average is only the fallback where /proc/stat is missing, because it lags: just after a long job ends it still
@@ -20,8 +20,6 @@ import os
 import time
 
 import torch
-
-from glm_lightning.model.config import GLMConfig
 
 
 def available_cores() -> int:
@@ -71,14 +69,13 @@ def idle_cores(cores: int | None = None) -> int:
     return max(1, min(cores, math.floor(cores - busy + 0.5)))
 
 
-def choose_threads(cfg: GLMConfig | None = None, cores: int | None = None) -> int:
-    """The thread count for training or generating (with a model of config `cfg`; its size does not change the
-    answer, see the module docstring): the idle cores."""
+def choose_threads(cores: int | None = None) -> int:
+    """The thread count for training or generating, whatever the model (see the module docstring): the idle cores."""
     return idle_cores(cores)
 
 
-def use_threads(cfg: GLMConfig | None = None, threads: int | None = None) -> int:
-    """Set torch's intra-op threads to `threads`, or to `choose_threads(cfg)` when None; returns the count."""
-    n = choose_threads(cfg) if threads is None else threads
+def use_threads(threads: int | None = None) -> int:
+    """Set torch's intra-op threads to `threads`, or to `choose_threads()` when None; returns the count."""
+    n = choose_threads() if threads is None else threads
     torch.set_num_threads(n)
     return n

@@ -355,29 +355,29 @@ def prediction_grid(images: torch.Tensor, preds: torch.Tensor, labels: torch.Ten
     return fig
 
 
-def check_lora(lora: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The `lora` argument with its defaults (rank 8, alpha 16, merge_at_end true); errors name the bad key."""
-    if lora is None:
-        return None
-    if not isinstance(lora, dict) or "targets" not in lora:
-        raise ValueError(f"lora must be a mapping with `targets` (glob patterns of weights), got {lora!r}")
-    extra = set(lora) - LORA_KEYS
-    if extra:
-        raise ValueError(f"lora: unknown key(s) {sorted(extra)}; allowed: {sorted(LORA_KEYS)}")
-    return {"rank": 8, "alpha": 16.0, "merge_at_end": True, **lora}
-
-
-def check_image_adapters(spec: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The `image_adapters` argument with its defaults (rank 16, alpha 16); errors name the bad key."""
+def _adapter_spec(spec: dict[str, Any] | None, arg: str, allowed: set[str], defaults: dict[str, Any],
+                  targets: str) -> dict[str, Any] | None:
+    """An adapter argument (`lora`, `image_adapters`) with its defaults; errors name the argument and the bad key."""
     if spec is None:
         return None
     if not isinstance(spec, dict) or "targets" not in spec:
-        raise ValueError(f"image_adapters must be a mapping with `targets` (glob patterns of sublayers such as "
-                         f"model.blocks.*.mixer), got {spec!r}")
-    extra = set(spec) - IMAGE_ADAPTER_KEYS
+        raise ValueError(f"{arg} must be a mapping with `targets` ({targets}), got {spec!r}")
+    extra = set(spec) - allowed
     if extra:
-        raise ValueError(f"image_adapters: unknown key(s) {sorted(extra)}; allowed: {sorted(IMAGE_ADAPTER_KEYS)}")
-    return {"rank": 16, "alpha": 16.0, **spec}
+        raise ValueError(f"{arg}: unknown key(s) {sorted(extra)}; allowed: {sorted(allowed)}")
+    return {**defaults, **spec}
+
+
+def check_lora(lora: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The `lora` argument with its defaults (rank 8, alpha 16, merge_at_end true)."""
+    return _adapter_spec(lora, "lora", LORA_KEYS, {"rank": 8, "alpha": 16.0, "merge_at_end": True},
+                         "glob patterns of weights")
+
+
+def check_image_adapters(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The `image_adapters` argument with its defaults (rank 16, alpha 16)."""
+    return _adapter_spec(spec, "image_adapters", IMAGE_ADAPTER_KEYS, {"rank": 16, "alpha": 16.0},
+                         "glob patterns of sublayers such as model.blocks.*.mixer")
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
