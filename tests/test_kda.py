@@ -190,7 +190,15 @@ def test_pad_steps_leave_the_state_unchanged(T):
 
 
 @pytest.mark.parametrize("t", [1, 7, 8, 15, 19])
-def test_prefill_then_decode_equals_full_forward(t):
+@pytest.mark.parametrize("fused_step", [False, True])
+def test_prefill_then_decode_equals_full_forward(t, fused_step, monkeypatch):
+    """Decoding token by token after a prefill equals the full forward, with the C++ decode ops (when loaded) and
+    with the eager step."""
+    import glm_lightning.model.kda as kda_mod
+    if not fused_step:
+        monkeypatch.setattr(kda_mod, "_fusable", lambda *ts: False)
+    elif not cext.available():
+        pytest.skip("C++ ops not available")
     layer = _layer(seed=3)
     T = 24
     x = torch.randn(2, T, 32)
@@ -222,7 +230,7 @@ def test_two_part_prefill_equals_one_prefill():
     # the conv buffer holds the last ks-1 raw projections
     ks = _cfg().kda_conv_size
     raw = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)[:, -(ks - 1):]
-    torch.testing.assert_close(c1.conv_state, raw.transpose(1, 2).detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(c1.conv_state, raw.detach(), rtol=1e-6, atol=1e-6)
 
 
 def test_repeat_interleave_and_index_select_cache():
@@ -385,3 +393,48 @@ def test_decode_step_in_place_equals_recurrent_step():
     o = _delta_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
     torch.testing.assert_close(o, o_ref[:, 0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(S, s_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not cext.available(), reason="C++ ops not available")
+@pytest.mark.parametrize("K", [32, 4])  # compile-time head size, and the generic loop
+def test_fused_delta_step_equals_eager(K):
+    """glm_lightning::delta_step_ (one pass per head, csrc/kda_decode.cpp) equals the eager bmm step: output and the
+    state written in place, on strided q/k/v slices of one projection as decoding passes them."""
+    from glm_lightning.model.kda import _delta_step_
+    gen = torch.Generator().manual_seed(7)
+    B, H = 5, 3
+    qkv = torch.randn(B, 3, H, K, generator=gen)
+    q, k = F.normalize(qkv[:, 0], dim=-1), F.normalize(qkv[:, 1], dim=-1)
+    v = qkv[:, 2]
+    assert not v.is_contiguous()
+    g = -5 * torch.rand(B, H, K, generator=gen)
+    beta = torch.rand(B, H, generator=gen)
+    s0 = torch.randn(B, H, K, K, generator=gen)
+    S_e, S_f = s0.clone(), s0.clone()
+    for _ in range(3):  # a few steps, so errors would compound
+        o_e = _delta_step_(q, k, v, g, beta, S_e, fused=False)
+        o_f = _delta_step_(q, k, v, g, beta, S_f, fused=True)
+        torch.testing.assert_close(o_f, o_e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(S_f, S_e, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(S_f, s0)
+
+
+@pytest.mark.skipif(not cext.available(), reason="C++ ops not available")
+def test_fused_conv_step_equals_eager_and_the_conv():
+    """glm_lightning::conv_step_ equals the eager step (cat, product, sum, SiLU, shift) and the layer's causal conv
+    over the whole sequence, and shifts the new input into the buffer."""
+    from glm_lightning.model.kda import _conv_step_
+    layer = _layer(seed=8)
+    gen = torch.Generator().manual_seed(8)
+    B, T, Ch, ks = 3, 6, layer.conv.weight.shape[0], layer.conv_size
+    raw = torch.randn(B, T, Ch, generator=gen)
+    with torch.no_grad():
+        full, _ = layer._short_conv(raw, None)
+        st_e, st_f = torch.zeros(B, ks - 1, Ch), torch.zeros(B, ks - 1, Ch)
+        for t in range(T):
+            y_e = _conv_step_(st_e, raw[:, t:t + 1], layer.conv.weight, fused=False)
+            y_f = _conv_step_(st_f, raw[:, t:t + 1], layer.conv.weight, fused=True)
+            torch.testing.assert_close(y_f, y_e, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(y_f[:, 0], full[:, t], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(st_f, st_e, rtol=0, atol=0)
+    torch.testing.assert_close(st_f, raw[:, T - (ks - 1):], rtol=0, atol=0)

@@ -241,3 +241,50 @@ def test_parameter_count(shared):
     assert sum(p.numel() for p in MoE(full).parameters()) == (
         full.n_experts * full.d_model + full.n_experts * 3 * full.d_model * full.expert_hidden
         + 3 * full.d_model * full.shared_expert_hidden)
+
+
+needs_cext = pytest.mark.skipif(not __import__("glm_lightning.model.cext", fromlist=["available"]).available(),
+                                reason="C++ ops not available")
+
+
+@needs_cext
+@pytest.mark.parametrize("shape", [(4, 5, 192, 768), (3, 16, 20, 7), (2, 9, 33, 12)])  # (E, M, in, out)
+def test_small_matmul_equals_bmm_on_the_real_rows(shape):
+    """glm_lightning::small_matmul (csrc/small_matmul.cpp) equals x @ W^T per matrix on the first counts[e] rows and
+    writes zeros on the padding rows, for sizes on and off its 16-float lanes and 4-row blocks (empty matrix too)."""
+    E, M, n_in, n_out = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(E, M, n_in, generator=gen)
+    W = torch.randn(E, n_out, n_in, generator=gen)
+    counts = torch.randint(0, M + 1, (E,), generator=gen)
+    counts[0], counts[-1] = M, 0
+    y = torch.ops.glm_lightning.small_matmul(x, W, counts)
+    ref = torch.bmm(x, W.transpose(1, 2))
+    for e, c in enumerate(counts.tolist()):
+        torch.testing.assert_close(y[e, :c], ref[e, :c], rtol=1e-5, atol=1e-5)
+        assert torch.count_nonzero(y[e, c:]) == 0
+    with pytest.raises(RuntimeError, match="counts"):
+        torch.ops.glm_lightning.small_matmul(x, W, torch.full((E,), M + 1))
+
+
+@needs_cext
+@pytest.mark.parametrize("tokens", [1, 5, 9, 40])
+def test_decode_experts_equal_the_grouped_gemm(tokens, monkeypatch):
+    """Without autograd, small expert loads (<= SMALL_LOAD tokens per expert) take the small_matmul path; it equals
+    the grouped-GEMM path (forced by SMALL_LOAD = 0) and the per-token reference; larger loads keep the grouped GEMM."""
+    import glm_lightning.model.moe as moe_mod
+    m = make(seed=3, d_model=32, expert_hidden=24)
+    m.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, -5.0]))  # an expert with no tokens
+    x = torch.randn(1, tokens, 32)
+    calls = []
+    real = moe_mod._experts_small
+    monkeypatch.setattr(moe_mod, "_experts_small", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        y_small = m(x, want_aux=False)[0]
+        most = int(torch.bincount(m.route(x.view(tokens, 32))[1].flatten(), minlength=4).max())
+        assert bool(calls) == (most <= moe_mod.SMALL_LOAD)
+        assert bool(calls) == (tokens < 10)  # both regimes are exercised
+        monkeypatch.setattr(moe_mod, "SMALL_LOAD", 0)
+        y_grouped = m(x, want_aux=False)[0]
+    torch.testing.assert_close(y_small, y_grouped, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y_small, naive_forward(m, x), rtol=1e-5, atol=1e-5)

@@ -3,7 +3,9 @@
 
 Why: the study model is bound by dispatch overhead (~15 us per ATen op). As eager PyTorch an mHC site's Sinkhorn
 issues ~270 ops (20 iterations), its stream read/write ~70 and the KDA chunk hand-off ~10 per chunk; as C++ ops each
-is one op forward and one backward. No ninja and no pybind: one g++ call on one translation unit that includes every
+is one op forward and one backward. Decoding adds two kinds that stream memory once instead of several times: the KDA
+decode step (short conv and delta rule, in place on the cache) and x @ W^T for experts with a few tokens (BLAS
+repacks the whole weight per call). No ninja and no pybind: one g++ call on one translation unit that includes every
 source, with torch's headers, registering the ops through TORCH_LIBRARY (schema `glm_lightning::...`).
 
     GLM_LIGHTNING_EXT=auto (default)  build at first use (20-35 s of CPU, once per source/torch version) and use it
@@ -30,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp", "state_scan.cpp", "streams.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp", "state_scan.cpp", "streams.cpp",
+                                                                "kda_decode.cpp", "small_matmul.cpp"))
 BUILD_TIMEOUT_S = 600
 """Upper bound of one build (it takes 20-35 s of CPU, 40-105 s wall on a loaded 2-core machine)."""
 

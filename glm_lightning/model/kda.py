@@ -187,12 +187,21 @@ def kda_chunked(
     return KDAChunkFunction.apply(q, k, v, g, beta, S, chunk_size, ns, fused)
 
 
-def _delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> Tensor:
+def _fusable(*ts: Tensor) -> bool:
+    """Whether the C++ decode ops (csrc/kda_decode.cpp) take these tensors: fp32 on the CPU, ops loaded."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts) and cext.available()
+
+
+def _delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor,
+                 fused: bool | None = None) -> Tensor:
     """One recurrent step written into S in place (decode, no autograd). q, k, g [B, H, K]; v [B, H, V]; beta [B, H];
     S [B, H, K, V] fp32, contiguous. Returns o [B, H, V].
 
-    The heads are flattened into the batch ([B*H, ...] views, one bmm per product): the same bmm kernels that the
-    4-D matmuls ran, in ~25 dispatched ops instead of ~55 (matmul's expand/reshape/view chain per product)."""
+    ``fused`` (default: when the C++ ops are loaded and everything is fp32) runs ``glm_lightning::delta_step_``: one
+    pass over each head's state instead of six over the whole cache (the state is 38 MB per layer at 1,536 rows).
+    The eager form flattens the heads into the batch ([B*H, ...] views, one bmm per product), ~25 dispatched ops."""
+    if fused if fused is not None else _fusable(q, k, v, g, beta, S):
+        return torch.ops.glm_lightning.delta_step_(q, k, v, g, beta, S)
     B, H, K, V = S.shape
     Sf = S.view(B * H, K, V)
     kf = _f32(k).reshape(B * H, K, 1)
@@ -200,6 +209,23 @@ def _delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Te
     e = _f32(v).reshape(B * H, 1, V) - torch.bmm(kf.transpose(1, 2), Sf)       # v - S^T k   [BH, 1, V]
     Sf.addcmul_(kf, e.mul_(_f32(beta).reshape(B * H, 1, 1)))                   # S += k (beta e)^T
     return torch.bmm(_f32(q).reshape(B * H, 1, K), Sf).view(B, H, V)          # S^T q
+
+
+def _conv_step_(conv_state: Tensor, raw: Tensor, weight: Tensor, fused: bool | None = None) -> Tensor:
+    """One decode step of the causal depthwise short conv + SiLU, shifting ``raw`` into ``conv_state`` in place.
+
+    conv_state [B, ks-1, C] (the previous raw inputs), raw [B, 1, C], weight [C, 1, ks] -> SiLU(conv) [B, 1, C].
+    ``fused`` (default: C++ ops loaded, fp32) runs ``glm_lightning::conv_step_``, one pass instead of five (cat,
+    product, sum, SiLU, shift)."""
+    C, ks = weight.shape[0], weight.shape[-1]
+    if fused if fused is not None else _fusable(conv_state, raw, weight):
+        return torch.ops.glm_lightning.conv_step_(conv_state, raw, weight.view(C, ks)).view(raw.shape)
+    xp = torch.cat([conv_state.to(raw.dtype), raw], dim=1)                          # [B, ks, C]
+    # the weight made contiguous [ks, Ch] first: broadcast as the strided view w.t() the product took 19 ms instead
+    # of 1 at 1,536 rows (bad loop order)
+    y = F.silu((xp * weight.view(C, ks).t().contiguous()).sum(1, keepdim=True))
+    conv_state.copy_(xp[:, 1:])
+    return y
 
 
 def _writable(t: Tensor) -> bool:
@@ -211,7 +237,9 @@ def _writable(t: Tensor) -> bool:
 class KDACache:
     """Decode state of one KDA layer.
 
-    ``conv_state [B, 3*H*K, ks-1]``: the last ks-1 raw (pre-conv) q|k|v projections (channel order q, k, v).
+    ``conv_state [B, ks-1, 3*H*K]``: the last ks-1 raw (pre-conv) q|k|v projections (channel order q, k, v), time
+    before channels, so that decoding appends the new projection with one contiguous ``cat`` (the channel-major layout
+    made that cat and the conv's product strided: 2 x 25 ms per KDA layer and decode step at 1,536 rows).
     ``state [B, H, K, V]``: the fp32 recurrent state.
     """
 
@@ -226,7 +254,7 @@ class KDACache:
     def empty(cls, batch: int, cfg: GLMConfig, device: torch.device | str | None = None) -> KDACache:
         H, K = cfg.n_heads, cfg.head_dim
         return cls(
-            conv_state=torch.zeros(batch, 3 * H * K, cfg.kda_conv_size - 1, device=device),
+            conv_state=torch.zeros(batch, cfg.kda_conv_size - 1, 3 * H * K, device=device),
             state=torch.zeros(batch, H, K, K, device=device, dtype=torch.float32),
         )
 
@@ -307,8 +335,6 @@ class KDAttention(nn.Module):
             y = y[..., :T]                                                           # causal: left context only
         else:
             xp = torch.cat([ctx, raw], dim=1)
-            if T == 1:  # decode: one dot product per channel
-                return F.silu((xp * w.squeeze(1).t()).sum(1, keepdim=True)), xp
             y = F.conv2d(xp.transpose(1, 2).unsqueeze(2), w.unsqueeze(2), groups=Ch)
         return F.silu(y.squeeze(2).transpose(1, 2)), xp
 
@@ -339,14 +365,15 @@ class KDAttention(nn.Module):
                 cache: KDACache | None = None) -> tuple[Tensor, Tensor]:
         """x [B, T, C] -> (y [B, T, C], aux loss: a zero scalar, KDA has none; the same contract as DSA's mixer).
         ``valid`` [B, T] bool (False = pad); ``cache`` is updated in place."""
-        q, k, v, g, beta, gate, raw = self._features(x, valid, cache)
+        # decode fast path: one step written into the cache (conv buffer and state updated in place)
+        step = (cache is not None and x.shape[1] == 1 and not torch.is_grad_enabled() and _writable(cache.state)
+                and _writable(cache.conv_state))
+        q, k, v, g, beta, gate, raw = self._features(x, valid, cache, step)
         B, T, H, K = q.shape
         if cache is None:
             o, _ = kda_chunked(q, k, v, g, beta, self.chunk_size, gate_bound=-self.lower_bound)
-        elif T == 1 and not torch.is_grad_enabled() and _writable(cache.state) and _writable(cache.conv_state):
-            # decode fast path: one step written into the cache
+        elif step:
             o = _delta_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state).unsqueeze(1)
-            cache.conv_state.copy_(raw[:, 1:].transpose(1, 2))
         else:
             if T == 1:
                 o, S = kda_recurrent(q, k, v, g, beta, initial_state=cache.state)
@@ -357,10 +384,10 @@ class KDAttention(nn.Module):
         o = GatedHeadNorm.apply(o, _f32(gate), self.o_norm.weight, self.o_norm.eps)  # RMSNorm_head(o) * sigmoid(gate)
         return linear(o if o.dtype == x.dtype else o.to(x.dtype), self.o_proj.weight), self._no_aux
 
-    def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None):
+    def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None, step: bool = False):
         """Everything before the recurrence: q, k (unit norm, q scaled), v, g, beta (fp32), the output-gate
         pre-activation and, with a cache, the raw (masked) q|k|v projections after their conv context
-        [B, ks-1+T, 3HK]."""
+        [B, ks-1+T, 3HK] (None for a decode ``step``, which shifts the new projection into the cache itself)."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
         w_qkv, w_small = self._in_weights(cache)
@@ -369,8 +396,10 @@ class KDAttention(nn.Module):
         if valid is not None:
             valid = valid.to(device=x.device, dtype=torch.bool)
             raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
-        ctx = None if cache is None else cache.conv_state.transpose(1, 2).to(raw.dtype)
-        y, raw_ext = self._short_conv(raw, ctx)
+        if step:
+            y, raw_ext = _conv_step_(cache.conv_state, raw, self.conv.weight), None
+        else:
+            y, raw_ext = self._short_conv(raw, None if cache is None else cache.conv_state.to(raw.dtype))
         # L2-normalise q and k together (eps 1e-6, as F.normalize) and fold q's K^-0.5 into the same division; the
         # gates g = lb * sigmoid(exp(A_log) * (W_f2 f1 + dt_bias)), beta = sigmoid(b): one Function (kda_fused.py)
         f = linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias))
@@ -385,7 +414,7 @@ class KDAttention(nn.Module):
 
     def _update_cache(self, cache: KDACache, raw_ext: Tensor, S: Tensor) -> None:
         ks = self.conv_size
-        conv_state = raw_ext[:, raw_ext.shape[1] - (ks - 1):].transpose(1, 2)
+        conv_state = raw_ext[:, raw_ext.shape[1] - (ks - 1):]
         state = _f32(S)
         if (state.requires_grad or conv_state.requires_grad or not _writable(cache.state)
                 or not _writable(cache.conv_state)):

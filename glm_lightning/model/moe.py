@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.linear import linear
 
@@ -89,6 +90,27 @@ class _GroupedExperts(torch.autograd.Function):
                 None, None, None, None)
 
 
+SMALL_LOAD = 16
+"""Decoding without autograd, experts with at most this many tokens run through ``glm_lightning::small_matmul``
+(csrc/small_matmul.cpp: each weight row streamed once, padding rows skipped) instead of BLAS, which repacks every
+expert's whole weight matrix per call. Measured on 12 layers' experts, 1 thread: 2.2x faster at the loads of a 16-row
+decode step (2-8 tokens per expert), even at 16 tokens, slower from 32."""
+
+
+def _experts_small(x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, order: Tensor, token: Tensor,
+                   slot: Tensor, cap: int, counts: Tensor) -> Tensor:
+    """The forward of :class:`_GroupedExperts` without autograd, its two bmm as ``small_matmul`` over each expert's
+    ``counts`` real rows (same gather and scatter, same values within float rounding)."""
+    E, d = w_gate_up.shape[0], x.shape[-1]
+    xs = x.new_zeros(E * cap, d).index_copy_(0, slot, x.index_select(0, token)).view(E, cap, d)
+    gate, up = torch.ops.glm_lightning.small_matmul(xs, w_gate_up, counts).chunk(2, dim=-1)
+    a = F.silu(gate).mul_(up)
+    y_sorted = torch.ops.glm_lightning.small_matmul(a, w_down, counts).view(E * cap, d).index_select(0, slot)
+    gates = w.reshape(-1).index_select(0, order)
+    gates = (gates if gates.dtype == x.dtype else gates.to(x.dtype)).unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, token, y_sorted.mul_(gates))
+
+
 class MoE(nn.Module):
     """Routed SwiGLU experts (top-K of E, sigmoid gates) plus an always-on shared SwiGLU expert.
 
@@ -139,7 +161,7 @@ class MoE(nn.Module):
         gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, w_down)
 
-    def _dispatch(self, x: Tensor, idx: Tensor, w: Tensor, counts: list[int]) -> Tensor:
+    def _dispatch(self, x: Tensor, idx: Tensor, w: Tensor, counts: list[int], counts_t: Tensor) -> Tensor:
         """Routed output for flat tokens x [N, d] with choices idx [N, K], gates w [N, K], per-expert counts.
 
         Grouped GEMM over sorted tokens: the N*K assignments are sorted by expert and written into one zero-padded
@@ -159,6 +181,9 @@ class MoE(nn.Module):
             starts.append(starts[-1] + n)
         shift = torch.tensor([e * cap - s0 for e, s0 in enumerate(starts)], device=x.device)
         slot = torch.arange(flat.numel(), device=x.device) + shift.index_select(0, flat.index_select(0, order))
+        if cap <= SMALL_LOAD and not torch.is_grad_enabled() and x.device.type == "cpu" \
+                and x.dtype == self.w_gate_up.dtype == torch.float32 and cext.available():
+            return _experts_small(x, w, self.w_gate_up, self.w_down, order, token, slot, cap, counts_t)
         return _GroupedExperts.apply(x, w, self.w_gate_up, self.w_down, order, token, slot, cap)
 
     def _balance_loss(self, s: Tensor, idx: Tensor) -> Tensor:
@@ -183,7 +208,7 @@ class MoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 self.load_counts += counts_t.to(self.load_counts.dtype)
-        y = self._dispatch(xf, idx, w, counts_t.tolist())
+        y = self._dispatch(xf, idx, w, counts_t.tolist(), counts_t)
         if self.shared_gate_up is not None:
             y = y + self._swiglu(xf, self.shared_gate_up, self.shared_down)
         if want_aux and self.balance_loss_weight > 0 and B * T > 0:

@@ -1,0 +1,146 @@
+// One KDA decode step (glm_lightning/model/kda.py, decoding without autograd) as two CPU ops, each one pass over its
+// cache written in place.
+//
+// Why: with many rows (RL: every prompt x G samples in one decode batch) the eager step streams the whole cache
+// several times: the short conv's cat, product, sum, SiLU and buffer shift (5 passes over [B, ks, 3HK]) and the
+// delta rule's decay, S^T k, rank-1 update and S^T q (6 passes over the fp32 state [B, H, K, V], 38 MB per layer at
+// 1,536 rows). Here each (row, head) state is loaded once, updated while it sits in L1, and written back once.
+//
+//   conv_step_(conv_state [B, ks-1, C], raw [B, C], weight [C, ks]) -> y [B, C]
+//       y = SiLU(sum_t xp[t] * weight[:, t]) with xp = [conv_state; raw]; conv_state <- xp[1:]
+//   delta_step_(q [B, H, K], k [B, H, K], v [B, H, V], g [B, H, K], beta [B, H], S [B, H, K, V]) -> o [B, H, V]
+//       S <- Diag(exp g) S;  e = beta (v - S^T k);  S <- S + k e^T;  o = S^T q
+//
+// q, k, v, g may be strided views (slices of one fused projection): only their last dimension must be contiguous.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
+
+namespace {
+
+// Flush fp32 denormals while alive (this thread): repeated decays push state entries toward exp(-5 t).
+struct FlushDenormalsDecode {
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned int saved = _mm_getcsr();
+  FlushDenormalsDecode() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
+  ~FlushDenormalsDecode() { _mm_setcsr(saved); }
+#endif
+};
+
+at::Tensor conv_step_(at::Tensor conv_state, const at::Tensor& raw_in, const at::Tensor& weight_in) {
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.is_contiguous(), "conv_state must be a contiguous [B, ks-1, C]");
+  TORCH_CHECK(conv_state.scalar_type() == at::kFloat && raw_in.scalar_type() == at::kFloat &&
+                  weight_in.scalar_type() == at::kFloat, "fp32 only");
+  const at::Tensor raw = raw_in.contiguous(), weight = weight_in.contiguous();
+  const int64_t B = conv_state.size(0), P = conv_state.size(1), C = conv_state.size(2), ks = P + 1;
+  TORCH_CHECK(raw.numel() == B * C, "raw must hold [B, C]");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == C && weight.size(1) == ks, "weight must be [C, ks]");
+  at::Tensor y = at::empty({B, C}, raw.options());
+  float* st = conv_state.data_ptr<float>();
+  const float *r = raw.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      float* s = st + b * P * C;
+      const float* rb = r + b * C;
+      float* yb = out + b * C;
+      for (int64_t c = 0; c < C; ++c) {
+        float acc = 0.f;
+        for (int64_t t = 0; t < P; ++t) acc += s[t * C + c] * w[c * ks + t];
+        acc += rb[c] * w[c * ks + P];
+        yb[c] = acc / (1.f + std::exp(-acc));  // SiLU
+      }
+      for (int64_t t = 0; t + 1 < P; ++t) std::copy(s + (t + 1) * C, s + (t + 2) * C, s + t * C);
+      if (P > 0) std::copy(rb, rb + C, s + (P - 1) * C);
+    }
+  });
+  return y;
+}
+
+// One (row, head): S [K, V] row-major; q, k, g [K]; v [V]; kS, e, o scratch/out [V].
+template <int64_t KK, int64_t VV>
+inline void delta_head(float* __restrict S, const float* __restrict q, const float* __restrict k,
+                       const float* __restrict v, const float* __restrict g, float beta, float* __restrict o,
+                       float* __restrict e, int64_t K_, int64_t V_) {
+  const int64_t K = KK > 0 ? KK : K_, V = VV > 0 ? VV : V_;
+  for (int64_t j = 0; j < V; ++j) e[j] = 0.f;
+  for (int64_t i = 0; i < K; ++i) {  // S <- Diag(exp g) S and S^T k, row by row
+    float* __restrict row = S + i * V;
+    const float d = std::exp(g[i]), ki = k[i];
+    for (int64_t j = 0; j < V; ++j) {
+      row[j] *= d;
+      e[j] += ki * row[j];
+    }
+  }
+  for (int64_t j = 0; j < V; ++j) {
+    e[j] = (v[j] - e[j]) * beta;
+    o[j] = 0.f;
+  }
+  for (int64_t i = 0; i < K; ++i) {  // S += k e^T and o = S^T q
+    float* __restrict row = S + i * V;
+    const float ki = k[i], qi = q[i];
+    for (int64_t j = 0; j < V; ++j) {
+      row[j] += ki * e[j];
+      o[j] += qi * row[j];
+    }
+  }
+}
+
+void check_heads(const at::Tensor& t, int64_t B, int64_t H, int64_t n, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(1) == H && t.size(2) == n && t.stride(2) == 1,
+              name, " must be [B, H, ", n, "] with a contiguous last dimension");
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be fp32");
+}
+
+at::Tensor delta_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta_in, at::Tensor S) {
+  TORCH_CHECK(S.dim() == 4 && S.is_contiguous() && S.scalar_type() == at::kFloat,
+              "S must be a contiguous fp32 [B, H, K, V]");
+  const int64_t B = S.size(0), H = S.size(1), K = S.size(2), V = S.size(3);
+  check_heads(q, B, H, K, "q");
+  check_heads(k, B, H, K, "k");
+  check_heads(v, B, H, V, "v");
+  check_heads(g, B, H, K, "g");
+  const at::Tensor beta = beta_in.contiguous();
+  TORCH_CHECK(beta.scalar_type() == at::kFloat && beta.numel() == B * H, "beta must be fp32 [B, H]");
+  at::Tensor o = at::empty({B, H, V}, S.options());
+  float* s = S.data_ptr<float>();
+  float* out = o.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(),
+              *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  auto run = [&]<int64_t KK, int64_t VV>() {
+    at::parallel_for(0, B * H, 8, [&](int64_t begin, int64_t end) {
+      FlushDenormalsDecode ftz;
+      std::vector<float> e(V);
+      for (int64_t m = begin; m < end; ++m) {
+        const int64_t b = m / H, h = m % H;
+        delta_head<KK, VV>(s + m * K * V, qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + h * k.stride(1),
+                           vp + b * v.stride(0) + h * v.stride(1), gp + b * g.stride(0) + h * g.stride(1), bp[m],
+                           out + m * V, e.data(), K, V);
+      }
+    });
+  };
+  if (K == 32 && V == 32) run.template operator()<32, 32>();
+  else if (K == 16 && V == 16) run.template operator()<16, 16>();
+  else if (K == 64 && V == 64) run.template operator()<64, 64>();
+  else run.template operator()<0, 0>();
+  return o;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
+  m.def("conv_step_(Tensor(a!) conv_state, Tensor raw, Tensor weight) -> Tensor");
+  m.def("delta_step_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) S) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
+  m.impl("conv_step_", &conv_step_);
+  m.impl("delta_step_", &delta_step_);
+}
