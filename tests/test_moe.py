@@ -286,3 +286,71 @@ def test_decode_experts_equal_the_grouped_gemm(tokens, monkeypatch):
         y_grouped = m(x, want_aux=False)[0]
     torch.testing.assert_close(y_small, y_grouped, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(y_small, naive_forward(m, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [8, 0])
+def test_segment_experts_equal_the_padded_batch_with_gradients(shared, monkeypatch):
+    """Large calls with unequal loads run each expert on its own segment (no padding, _SegmentExperts): values and
+    every gradient equal the padded grouped GEMM (forced by SEGMENT_TOKENS above the call) and the per-token
+    reference; an expert without tokens gets an exactly zero gradient."""
+    import glm_lightning.model.moe as moe_mod
+    m = make(seed=4, shared_expert_hidden=shared)
+    m.expert_bias.copy_(torch.tensor([0.4, 0.0, -0.1, -5.0]))  # unequal loads and an empty expert
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    proj = torch.randn(2, 9, 16)
+    calls = []
+    real = moe_mod._SegmentExperts.apply
+    monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(moe_mod, "SEGMENT_TOKENS", 18)
+    monkeypatch.setattr(moe_mod, "SEGMENT_PADDING", 1.0)
+    y, aux = m(x)
+    g = grads(m, x, (y * proj).sum() + aux)
+    assert calls
+    monkeypatch.setattr(moe_mod, "SEGMENT_TOKENS", 19)
+    y_pad, aux_pad = m(x)
+    g_pad = grads(m, x, (y_pad * proj).sum() + aux_pad)
+    assert len(calls) == 1
+    torch.testing.assert_close(y, y_pad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y, naive_forward(m, x), rtol=1e-5, atol=1e-5)
+    for a, b in zip(g, g_pad):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    names = [n for n, _ in m.named_parameters()]
+    assert torch.count_nonzero(g[1 + names.index("w_down")][3]) == 0
+    assert torch.count_nonzero(g[1 + names.index("w_gate_up")][3]) == 0
+
+
+def test_segment_experts_gradcheck():
+    from glm_lightning.model.moe import _SegmentExperts
+    gen = torch.Generator().manual_seed(5)
+    N, K, E, d, h = 5, 2, 3, 4, 3
+    x = torch.randn(N, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.rand(N, K, dtype=torch.float64, generator=gen, requires_grad=True)
+    wgu = torch.randn(E, 2 * h, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    wd = torch.randn(E, d, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    idx = torch.tensor([[0, 2], [2, 0], [0, 2], [2, 0], [0, 2]])  # expert 1 has no tokens
+    order = torch.argsort(idx.reshape(-1), stable=True)
+    counts = torch.bincount(idx.reshape(-1), minlength=E).tolist()
+    assert torch.autograd.gradcheck(lambda *a: _SegmentExperts.apply(*a, order, order // K, counts),
+                                    (x, w, wgu, wd), fast_mode=True)
+
+
+def test_segment_experts_only_for_unequal_loads(monkeypatch):
+    """Balanced loads keep the padded batch (fewer dispatched ops); a skewed router switches to the segments."""
+    import glm_lightning.model.moe as moe_mod
+    m = make(seed=6)
+    monkeypatch.setattr(moe_mod, "SEGMENT_TOKENS", 64)
+    calls = []
+    real = moe_mod._SegmentExperts.apply
+    monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(1, 400, 16)
+    m.expert_bias.copy_(torch.tensor([0.0, -0.02, 0.01, 0.02]))
+    with torch.no_grad():
+        loads = torch.bincount(m.route(x.view(400, 16))[1].flatten(), minlength=4)
+        assert 4 * int(loads.max()) < moe_mod.SEGMENT_PADDING * 800
+        m(x)
+        assert not calls
+        m.expert_bias.copy_(torch.tensor([3.0, 0.0, 0.0, -5.0]))  # expert 0 always chosen: load 400 of 800
+        m(x)
+    assert calls == [1]
