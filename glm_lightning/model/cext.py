@@ -34,6 +34,8 @@ import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp", "state_scan.cpp", "streams.cpp",
                                                                 "kda_decode.cpp", "small_matmul.cpp"))
+HEADERS = (Path(__file__).parent / "csrc" / "flush_denormals.h",)
+"""Included by the sources: hashed with them, so that a change rebuilds the library."""
 BUILD_TIMEOUT_S = 600
 """Upper bound of one build (it takes 20-35 s of CPU, 40-105 s wall on a loaded 2-core machine)."""
 
@@ -65,7 +67,7 @@ def _cpu_model() -> str:
 def library_path() -> Path:
     """Where the library for the current sources, torch and CPU lives (built or not)."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join([torch.__version__, sys.version, platform.machine(), _cpu_model(), *_flags()]).encode())
     root = Path(os.environ.get("GLM_LIGHTNING_CACHE", Path.home() / ".cache" / "glm_lightning"))

@@ -21,7 +21,9 @@ A small sequence-wise balance loss (DeepSeek-V3 eq. 17-20) is returned as the au
 
 Dispatch sorts the N*K (token, expert) assignments by expert once and runs all experts as one grouped (batched)
 GEMM over a zero-padded [E, max load, d] batch (no capacity limit, no dropped tokens); the weighted results are summed
-back per token with ``index_add``.
+back per token with ``index_add``. Two variants compute the same: large calls with unequal loads run each expert on
+its own segment (no padding), and decoding a few rows runs the padded batch through a C++ matmul that reads each
+weight row once (``SEGMENT_TOKENS``, ``SMALL_TOKENS``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ from glm_lightning.model.linear import linear
 def _f32(t: Tensor) -> Tensor:
     """t in fp32 (``t.float()`` without the no-op op call when it already is)."""
     return t if t.dtype == torch.float32 else t.float()
+
+
+def _sorted_gates(w: Tensor, order: Tensor, dtype: torch.dtype) -> Tensor:
+    """The gate weights w [N, K] in the experts' sorted assignment order, as a column [N*K, 1] of the activations'
+    dtype (shared by the three expert paths)."""
+    gates = w.reshape(-1).index_select(0, order)
+    return (gates if gates.dtype == dtype else gates.to(dtype)).unsqueeze(-1)
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -62,8 +71,7 @@ class _GroupedExperts(torch.autograd.Function):
         sg = F.silu(gate)
         a = sg * up
         y_sorted = torch.bmm(a, w_down.transpose(1, 2)).view(E * cap, d).index_select(0, slot)
-        gates = w.reshape(-1).index_select(0, order)
-        gates = (gates if gates.dtype == x.dtype else gates.to(x.dtype)).unsqueeze(-1)
+        gates = _sorted_gates(w, order, x.dtype)
         ctx.save_for_backward(xs, hgu, sg, a, y_sorted, gates, w_gate_up, w_down, order, token, slot)
         ctx.w_shape, ctx.w_dtype = w.shape, w.dtype
         return torch.zeros_like(x).index_add_(0, token, y_sorted * gates)
@@ -117,8 +125,7 @@ class _SegmentExperts(torch.autograd.Function):
         a_e, ys_e, wd_t = a.split(counts), ys.split(counts), w_down.transpose(1, 2).unbind(0)
         for e in used:
             torch.mm(a_e[e], wd_t[e], out=ys_e[e])
-        gates = w.reshape(-1).index_select(0, order)
-        gates = (gates if gates.dtype == x.dtype else gates.to(x.dtype)).unsqueeze(-1)
+        gates = _sorted_gates(w, order, x.dtype)
         ctx.save_for_backward(xs, hgu, sg, a, ys, gates, w_gate_up, w_down, order, token)
         ctx.counts, ctx.used, ctx.w_shape, ctx.w_dtype = counts, used, w.shape, w.dtype
         return torch.zeros_like(x).index_add_(0, token, ys * gates)
@@ -183,9 +190,7 @@ def _experts_small(x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, orde
     gate, up = torch.ops.glm_lightning.small_matmul(xs, w_gate_up, counts).chunk(2, dim=-1)
     a = F.silu(gate).mul_(up)
     y_sorted = torch.ops.glm_lightning.small_matmul(a, w_down, counts).view(E * cap, d).index_select(0, slot)
-    gates = w.reshape(-1).index_select(0, order)
-    gates = (gates if gates.dtype == x.dtype else gates.to(x.dtype)).unsqueeze(-1)
-    return torch.zeros_like(x).index_add_(0, token, y_sorted.mul_(gates))
+    return torch.zeros_like(x).index_add_(0, token, y_sorted.mul_(_sorted_gates(w, order, x.dtype)))
 
 
 class MoE(nn.Module):

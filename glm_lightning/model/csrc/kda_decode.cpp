@@ -18,20 +18,9 @@
 
 #include <cmath>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <xmmintrin.h>
-#endif
+#include "flush_denormals.h"
 
 namespace {
-
-// Flush fp32 denormals while alive (this thread): repeated decays push state entries toward exp(-5 t).
-struct FlushDenormalsDecode {
-#if defined(__x86_64__) || defined(_M_X64)
-  unsigned int saved = _mm_getcsr();
-  FlushDenormalsDecode() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
-  ~FlushDenormalsDecode() { _mm_setcsr(saved); }
-#endif
-};
 
 at::Tensor conv_step_(at::Tensor conv_state, const at::Tensor& raw_in, const at::Tensor& weight_in) {
   TORCH_CHECK(conv_state.dim() == 3 && conv_state.is_contiguous(), "conv_state must be a contiguous [B, ks-1, C]");
@@ -116,7 +105,7 @@ at::Tensor delta_step_(const at::Tensor& q, const at::Tensor& k, const at::Tenso
               *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
   auto run = [&]<int64_t KK, int64_t VV>() {
     at::parallel_for(0, B * H, 8, [&](int64_t begin, int64_t end) {
-      FlushDenormalsDecode ftz;
+      glm_lightning_ops::FlushDenormals ftz;  // repeated decays push state entries toward exp(-5 t)
       std::vector<float> e(V);
       for (int64_t m = begin; m < end; ++m) {
         const int64_t b = m / H, h = m % H;

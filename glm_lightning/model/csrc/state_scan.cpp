@@ -8,9 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <xmmintrin.h>
-#endif
+#include "flush_denormals.h"
 
 namespace {
 
@@ -39,15 +37,7 @@ void with_sizes(int64_t K, int64_t V, F&& fn) {
   return fn.template operator()<0, 0>();
 }
 
-// Flush denormals to zero while alive (this thread). P holds decays as small as exp(lb * C) (e.g. exp(-160)): fp32
-// denormals, which cost ~100 cycles per multiply on x86 unless flushed (MKL's GEMMs flush them too).
-struct FlushDenormals {
-#if defined(__x86_64__) || defined(_M_X64)
-  unsigned int saved = _mm_getcsr();
-  FlushDenormals() { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
-  ~FlushDenormals() { _mm_setcsr(saved); }
-#endif
-};
+using glm_lightning_ops::FlushDenormals;  // P holds decays as small as exp(lb * C): see flush_denormals.h
 
 void check(const at::Tensor& P, const at::Tensor& X) {
   TORCH_CHECK(P.dim() == 4 && X.dim() == 4, "expected P [N, M, K, K] and [N(+1), M, K, V]");
