@@ -43,6 +43,12 @@ def _f32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+def _padded_batch(x: Tensor, token: Tensor, slot: Tensor, E: int, cap: int) -> Tensor:
+    """The sorted assignments' tokens in the zero-padded [E, cap, d] batch (expert e's j-th at slot e * cap + j)."""
+    d = x.shape[-1]
+    return x.new_zeros(E * cap, d).index_copy_(0, slot, x.index_select(0, token)).view(E, cap, d)
+
+
 def _sorted_gates(w: Tensor, order: Tensor, dtype: torch.dtype) -> Tensor:
     """The gate weights w [N, K] in the experts' sorted assignment order, as a column [N*K, 1] of the activations'
     dtype (shared by the three expert paths)."""
@@ -64,13 +70,12 @@ class _GroupedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor,  # type: ignore[override]
                 order: Tensor, token: Tensor, slot: Tensor, cap: int) -> Tensor:
-        E, d = w_gate_up.shape[0], x.shape[-1]
-        xs = x.new_zeros(E * cap, d).index_copy_(0, slot, x.index_select(0, token)).view(E, cap, d)
+        xs = _padded_batch(x, token, slot, w_gate_up.shape[0], cap)
         hgu = torch.bmm(xs, w_gate_up.transpose(1, 2))                               # [E, cap, 2h]
         gate, up = hgu.chunk(2, dim=-1)
         sg = F.silu(gate)
         a = sg * up
-        y_sorted = torch.bmm(a, w_down.transpose(1, 2)).view(E * cap, d).index_select(0, slot)
+        y_sorted = torch.bmm(a, w_down.transpose(1, 2)).view(-1, x.shape[-1]).index_select(0, slot)
         gates = _sorted_gates(w, order, x.dtype)
         ctx.save_for_backward(xs, hgu, sg, a, y_sorted, gates, w_gate_up, w_down, order, token, slot)
         ctx.w_shape, ctx.w_dtype = w.shape, w.dtype
@@ -170,8 +175,8 @@ SEGMENT_PADDING = 1.25
 """Calls with at least SEGMENT_TOKENS tokens whose padded batch would be at least SEGMENT_PADDING times the real
 assignments (the largest load 25% above the mean) run per expert segment (:class:`_SegmentExperts`, no padding):
 a 96-prompt RL prefill, 1.26x faster. Otherwise the padded batch stays: ~330 fewer dispatched ops per layer (fwd +
-bwd), which the dispatch-bound study model and balanced loads (a fresh model: ~7% padding) need more. Measured on
-flash-25m training at 32 x 128 with balanced loads, the two were within noise of each other."""
+bwd), which the dispatch-bound study model and balanced loads need more (a fresh flash-25m at 32 x 128: largest load
+1.07-1.18x the mean per layer; there the two were within noise of each other)."""
 
 SMALL_TOKENS = 64
 """Without autograd, a call with at most this many tokens (decoding a few rows) runs its experts through
@@ -185,11 +190,10 @@ def _experts_small(x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, orde
                    slot: Tensor, cap: int, counts: Tensor) -> Tensor:
     """The forward of :class:`_GroupedExperts` without autograd, its two bmm as ``small_matmul`` over each expert's
     ``counts`` real rows (same gather and scatter, same values within float rounding)."""
-    E, d = w_gate_up.shape[0], x.shape[-1]
-    xs = x.new_zeros(E * cap, d).index_copy_(0, slot, x.index_select(0, token)).view(E, cap, d)
+    xs = _padded_batch(x, token, slot, w_gate_up.shape[0], cap)
     gate, up = torch.ops.glm_lightning.small_matmul(xs, w_gate_up, counts).chunk(2, dim=-1)
     a = F.silu(gate).mul_(up)
-    y_sorted = torch.ops.glm_lightning.small_matmul(a, w_down, counts).view(E * cap, d).index_select(0, slot)
+    y_sorted = torch.ops.glm_lightning.small_matmul(a, w_down, counts).view(-1, x.shape[-1]).index_select(0, slot)
     return torch.zeros_like(x).index_add_(0, token, y_sorted.mul_(_sorted_gates(w, order, x.dtype)))
 
 

@@ -17,8 +17,9 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <vector>
 
-#include "flush_denormals.h"
+#include "kernel_helpers.h"
 
 namespace {
 
@@ -103,22 +104,18 @@ at::Tensor delta_step_(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   float* out = o.data_ptr<float>();
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(),
               *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  auto run = [&]<int64_t KK, int64_t VV>() {
+  glm_lightning_ops::with_sizes(K, V, [&]<int64_t KK, int64_t VV>() {
     at::parallel_for(0, B * H, 8, [&](int64_t begin, int64_t end) {
       glm_lightning_ops::FlushDenormals ftz;  // repeated decays push state entries toward exp(-5 t)
       std::vector<float> e(V);
       for (int64_t m = begin; m < end; ++m) {
         const int64_t b = m / H, h = m % H;
-        delta_head<KK, VV>(s + m * K * V, qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + h * k.stride(1),
-                           vp + b * v.stride(0) + h * v.stride(1), gp + b * g.stride(0) + h * g.stride(1), bp[m],
-                           out + m * V, e.data(), K, V);
+        delta_head<KK, VV>(s + m * K * V, qp + b * q.stride(0) + h * q.stride(1),
+                           kp + b * k.stride(0) + h * k.stride(1), vp + b * v.stride(0) + h * v.stride(1),
+                           gp + b * g.stride(0) + h * g.stride(1), bp[m], out + m * V, e.data(), K, V);
       }
     });
-  };
-  if (K == 32 && V == 32) run.template operator()<32, 32>();
-  else if (K == 16 && V == 16) run.template operator()<16, 16>();
-  else if (K == 64 && V == 64) run.template operator()<64, 64>();
-  else run.template operator()<0, 0>();
+  });
   return o;
 }
 

@@ -8,7 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "flush_denormals.h"
+#include "kernel_helpers.h"
 
 namespace {
 
@@ -28,16 +28,8 @@ inline void matmul_acc(const T* __restrict a, const T* __restrict b, T* __restri
   }
 }
 
-// Calls fn.template operator()<KK, VV>() with the compile-time sizes for (K, V) in {16, 32, 64}^2 (same), else <0, 0>.
-template <typename F>
-void with_sizes(int64_t K, int64_t V, F&& fn) {
-  if (K == 16 && V == 16) return fn.template operator()<16, 16>();
-  if (K == 32 && V == 32) return fn.template operator()<32, 32>();
-  if (K == 64 && V == 64) return fn.template operator()<64, 64>();
-  return fn.template operator()<0, 0>();
-}
-
-using glm_lightning_ops::FlushDenormals;  // P holds decays as small as exp(lb * C): see flush_denormals.h
+using glm_lightning_ops::FlushDenormals;  // P holds decays as small as exp(lb * C): see kernel_helpers.h
+using glm_lightning_ops::with_sizes;
 
 void check(const at::Tensor& P, const at::Tensor& X) {
   TORCH_CHECK(P.dim() == 4 && X.dim() == 4, "expected P [N, M, K, K] and [N(+1), M, K, V]");
