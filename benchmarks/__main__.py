@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (so peak RSS is per benchmark), one summary table,
 numbers saved to benchmarks/results/latest.json.
 
-    python -m benchmarks [--quick] [--threads auto|1|2] [--only ops,cext,train,generation,vs_commit,verifier,rl]
+    python -m benchmarks [--quick] [--threads auto|1|2] [--only ops,cext,kda,train,generation,vs_commit,verifier,rl]
 
 `--threads auto` (the default) uses glm_lightning.model.threads.choose_threads: one thread per core that other
 processes do not already keep busy (see that module for why).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from glm_lightning.model.threads import choose_threads
 
-BENCHES = ("ops", "cext", "train", "generation", "vs_commit", "verifier", "rl")
+BENCHES = ("ops", "cext", "kda", "train", "generation", "vs_commit", "verifier", "rl")
 
 CHILD = """
 import json, sys, importlib, resource, torch
@@ -44,6 +44,11 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
         rows.append(("C++ ops", f"study step {c['seconds_per_step_off']:.3f} -> {c['seconds_per_step_on']:.3f} s "
                                 f"({c['speedup']:.2f}x), {c['ops_off']:,} -> {c['ops_on']:,} ops, "
                                 f"RSS {c['peak_rss_mb']:.0f} MB", "on >= off"))
+    if results.get("kda", {}).get("available"):
+        k = results["kda"]
+        rows.append(("KDA core", ", ".join(f"{n} {k[n]['eager_ms']:.1f} -> {k[n]['cpp_ms']:.1f} ms "
+                                            f"({k[n]['speedup']:.2f}x)" for n in ("flash-25m", "study"))
+                     + f", RSS {k['peak_rss_mb']:.0f} MB", "C++ >= eager"))
     if "train" in results:
         t = results["train"]
         for name in ("hybrid flash-25m", "dense baseline"):

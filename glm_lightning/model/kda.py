@@ -65,7 +65,7 @@ from torch import Tensor, nn
 
 from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
-from glm_lightning.model.kda_chunk import KDAChunkFunction, scan, scan_backward
+from glm_lightning.model.kda_chunk import KDAChunkFunction, chunk_cpp, cpp_supports, scan, scan_backward
 from glm_lightning.model.kda_fused import GatedHeadNorm, KDAFeatures
 from glm_lightning.model.linear import linear
 from glm_lightning.model.norm import RMSNorm
@@ -165,7 +165,9 @@ def kda_chunked(
     Same shapes and return values as :func:`kda_recurrent`. T is padded to a multiple of ``chunk_size`` with identity
     steps. ``gate_bound`` is an upper bound of ``|g|`` (the safe gate's ``|lb|``); it sets the row blocks of the
     factorised exp so that fp32 cannot overflow. If None it is read from the data (``max(-g)``). ``fused`` picks the
-    C++ chunk hand-off (True), the eager one (False), or the C++ one when it is built (None).
+    C++ ops (True: the whole core as one op per direction when :func:`~glm_lightning.model.kda_chunk.cpp_supports`
+    the sizes, else the eager core with the C++ chunk hand-off), the eager core (False), or the C++ ops when they are
+    built (None).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -184,6 +186,8 @@ def kda_chunked(
         gate_bound = float(-g.detach().min().clamp(max=0.0))
     ns = _n_row_blocks(chunk_size, abs(gate_bound))
     fused = cext.available() and q.device.type == "cpu" if fused is None else fused
+    if fused and cpp_supports(chunk_size, K, V):
+        return chunk_cpp(q, k, v, g, beta, S, chunk_size, ns)
     return KDAChunkFunction.apply(q, k, v, g, beta, S, chunk_size, ns, fused)
 
 
