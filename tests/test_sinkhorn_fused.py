@@ -104,19 +104,20 @@ def test_stream_ops_equal_the_eager_forms_and_gradcheck(n):
     assert torch.autograd.gradcheck(StreamReadFused.apply, (dbl[2], dbl[1]))
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_fused_site_read_equals_the_eager_mappings_and_read(n, monkeypatch):
-    """SiteReadFused (one Function for norm, projection, gates, Sinkhorn and read) against the eager composite of
-    `mappings` + `read_streams`: outputs and the gradients of x, phi, alpha and bias within 1e-5; gradcheck in fp64."""
+@pytest.mark.parametrize("n,dim", [(2, 6), (4, 6), (2, 48), (4, 192)])
+def test_fused_site_read_equals_the_eager_mappings_and_read(n, dim, monkeypatch):
+    """SiteReadFused (csrc/site_read.cpp: norm, projection, gates and read in one pass; Sinkhorn) against the eager
+    composite of `mappings` + `read_streams`, at odd widths and the models' (2 x 48, 4 x 192), 10 tokens (a full and a
+    partial block of 8): outputs and the gradients of x, phi, alpha and bias within 1e-5; gradcheck in fp64."""
     from glm_lightning.model.mhc import HyperConnection
 
     torch.manual_seed(n)
-    site = HyperConnection(n=n, dim=6, iters=7, site_index=1)
+    site = HyperConnection(n=n, dim=dim, iters=7, site_index=1)
     with torch.no_grad():  # away from the init so every term (alpha, the norm) matters
         site.alpha.normal_(0.0, 1.0)
         site.bias.normal_(0.0, 1.0)
-    x = torch.randn(2, 5, n, 6)
-    ws = [torch.randn(2, 5, 6), torch.randn(2, 5, n), torch.randn(2, 5, n, n)]
+    x = torch.randn(2, 5, n, dim)
+    ws = [torch.randn(2, 5, dim), torch.randn(2, 5, n), torch.randn(2, 5, n, n)]
 
     def run(use_cpp: bool):
         monkeypatch.setattr(cext, "available", lambda: use_cpp)
@@ -133,7 +134,7 @@ def test_fused_site_read_equals_the_eager_mappings_and_read(n, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"grad {name}: {m}")
     monkeypatch.setattr(cext, "available", lambda: True)
     site.double()
-    xd = torch.randn(3, n, 6, dtype=torch.float64, requires_grad=True)
+    xd = torch.randn(3, n, dim, dtype=torch.float64, requires_grad=True)
 
     def f(xx, phi, alpha, bias):
         from glm_lightning.model.mhc import SiteReadFused
@@ -141,4 +142,4 @@ def test_fused_site_read_equals_the_eager_mappings_and_read(n, monkeypatch):
 
     args = (xd, site.phi.detach().clone().requires_grad_(), site.alpha.detach().clone().requires_grad_(),
             site.bias.detach().clone().requires_grad_())
-    assert torch.autograd.gradcheck(f, args)
+    assert torch.autograd.gradcheck(f, args, fast_mode=dim > 6)

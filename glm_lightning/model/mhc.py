@@ -188,9 +188,11 @@ class SiteReadFused(torch.autograd.Function):
     """The whole read half of a site as one Function on the C++ ops: streams x [N, n, C] -> (h [N, C], H_post [N, n],
     H_res [N, n, n]), with a hand-written backward.
 
-    Same ops as `HyperConnection.mappings` + `StreamReadFused` (the same numbers), but autograd records one node
-    instead of ~20 (norm, projection, addcmuls, alpha gather, sigmoid, slices, Sinkhorn, read), which replayed as
-    ~110 dispatched ops per site. With z = (x phi^T) * inv_rms and logits = bias + alpha z:
+    Same math as `HyperConnection.mappings` + `StreamReadFused`, but autograd records one node instead of ~20 (norm,
+    projection, addcmuls, alpha gather, sigmoid, slices, Sinkhorn, read), and ``glm_lightning::site_read`` (csrc/
+    site_read.cpp) does the norm, the projection, the gates and the read in one pass over the streams (its backward
+    likewise: they were read ~3 times forward and ~10 times backward, most of a site's time). With
+    z = (x phi^T) * inv_rms and logits = bias + alpha z:
         dlogits = [dgates * scale * sig (1 - sig) | SinkhornBackward(dres)],  dbias = sum dlogits,
         dalpha = segment sums of dlogits * z,  draw = dlogits * alpha * inv_rms,  dphi = draw^T x,
         dx = draw phi - x * inv_rms^3 / (nC) * rowsum(dlogits * alpha * raw) + ReadBackward(dh).
@@ -199,44 +201,24 @@ class SiteReadFused(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,  # type: ignore[override]
                 site: HyperConnection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        N, n, C = x.shape
-        flat = x.view(N, n * C)
-        norm = torch.linalg.vector_norm(flat, dim=-1, keepdim=True)
-        inv_rms = torch.addcmul(site._norm_eps, norm, norm, value=1.0 / (n * C)).rsqrt_()
-        # transpose, index_select and view below: the same values as .t(), [] and unflatten, in fewer dispatched ops
-        raw = torch.mm(flat, phi.transpose(0, 1))
+        n = x.shape[1]
+        x = x if x.is_contiguous() else x.contiguous()
         alpha_e = alpha.index_select(0, site._alpha_index)
-        z = raw * inv_rms
-        logits = torch.addcmul(bias, z, alpha_e)
-        sig = torch.sigmoid(logits[:, :2 * n])
-        gates = torch.addcmul(site._gate_shift, sig, site._gate_scale)
-        res_logits = logits[:, 2 * n:].view(N, n, n)
+        h, gates, res_logits, inv_rms, raw, sig = torch.ops.glm_lightning.site_read(
+            x, phi, alpha_e, bias, site._gate_scale, site._gate_shift, site.norm_eps)
         res = torch.ops.glm_lightning.sinkhorn(res_logits, site.iters, site.eps)
-        pre = gates[:, :n]
-        h = torch.ops.glm_lightning.stream_read(pre, x)
-        ctx.save_for_backward(x, phi, alpha_e, inv_rms, raw, z, sig, res_logits, pre)
+        ctx.save_for_backward(x, phi, alpha_e, inv_rms, raw, sig, gates, res_logits)
         ctx.site = site
         return h, gates[:, n:], res
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor):  # type: ignore[override]
-        x, phi, alpha_e, inv_rms, raw, z, sig, res_logits, pre = ctx.saved_tensors
+        x, phi, alpha_e, inv_rms, raw, sig, gates, res_logits = ctx.saved_tensors
         site = ctx.site
-        N, n, C = x.shape
-        dpre, dx = torch.ops.glm_lightning.stream_read_backward(dh, pre, x)
-        dgates = torch.cat([dpre, dpost], dim=-1).mul_(site._gate_scale)
-        dlogits = torch.cat([dgates.mul_(torch.addcmul(sig, sig, sig, value=-1.0)),  # sigmoid' = sig - sig^2
-                             torch.ops.glm_lightning.sinkhorn_backward(dres, res_logits, site.iters, site.eps).view(N, -1)],
-                            dim=-1)
-        dbias = dlogits.sum(0)
-        dalpha = torch.zeros_like(site.alpha).index_add_(0, site._alpha_index, (dlogits * z).sum(0))
-        dz = dlogits.mul_(alpha_e)
-        # d/dx through inv_rms = (eps + |x|^2 / nC)^-1/2:  -x inv_rms^3 / nC * rowsum(dz * raw)
-        coef = (dz * raw).sum(-1, keepdim=True).mul_(inv_rms * inv_rms).mul_(inv_rms)
-        draw = dz.mul_(inv_rms)
-        flat = x.view(N, n * C)
-        dphi = torch.mm(draw.transpose(0, 1), flat)
-        dx.view(N, n * C).add_(torch.addcmul(torch.mm(draw, phi), flat, coef, value=-1.0 / (n * C)))
+        dres_logits = torch.ops.glm_lightning.sinkhorn_backward(dres, res_logits, site.iters, site.eps)
+        dx, dphi, dbias, dalpha_l = torch.ops.glm_lightning.site_read_backward(
+            dh, dpost, dres_logits, x, phi, alpha_e, site._gate_scale, inv_rms, raw, sig, gates)
+        dalpha = torch.zeros_like(site.alpha).index_add_(0, site._alpha_index, dalpha_l)
         return dx, dphi, dalpha, dbias, None
 
 

@@ -1,0 +1,267 @@
+// The read half of an mHC site (glm_lightning/model/mhc.py, SiteReadFused) as two CPU ops that each stream the
+// site's input once: the streams x [N, n, C] (4 x 192 floats per token for flash-25m) were read three times by the
+// forward (norm, projection, read) and about ten times by the backward (read backward, the projection's two GEMMs,
+// the norm's correction, the sums), and those passes were most of the site's time.
+//
+// Forward, per token (flat = x as one nC row, L = n^2 + 2n logits):
+//   inv_rms = (eps + |flat|^2 / nC)^-1/2,  raw = phi flat,  z = raw inv_rms,  logits = bias + alpha_e z,
+//   sig = sigmoid(logits[:2n]),  gates = shift + scale sig (H_pre | H_post),  h = sum_i H_pre[i] x_i;
+//   the n^2 residual logits go to Sinkhorn (its own op, glm_lightning::sinkhorn).
+// Backward, with dlogits = [dgates scale sig (1 - sig) | dres_logits] (dgates = [<dh, x_i> | dpost]):
+//   dz = dlogits alpha_e,  draw = dz inv_rms,  coef = inv_rms^3 / nC sum(dz raw),
+//   dx_i = H_pre[i] dh + (phi^T draw)_i - coef x_i,  dphi = sum_t draw flat^T,
+//   dbias = sum_t dlogits,  dalpha_l = sum_t dlogits z  (per logit; mhc.py sums them per alpha).
+// Tokens are processed in blocks of TB so that each phi row is loaded once per block, not once per token.
+//
+//   site_read(x, phi, alpha_e, bias, scale, shift, norm_eps) -> (h [N, C], gates [N, 2n], res_logits [N, n, n],
+//                                                                inv_rms [N], raw [N, L], sig [N, 2n])
+//   site_read_backward(dh, dpost, dres_logits, x, phi, alpha_e, scale, inv_rms, raw, sig, gates)
+//       -> (dx [N, n, C], dphi [L, nC], dbias [L], dalpha_l [L])
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSiteBlock = 8;  // tokens per block (TB)
+constexpr int kLanes = 16;         // independent partial sums of a dot product: one fp32 AVX-512 register
+
+// sum_c a[c] b[c] with kLanes partial sums (a plain `s += a * b` loop is not vectorised without -ffast-math)
+template <typename T>
+inline T dot(const T* __restrict a, const T* __restrict b, int64_t len) {
+  T acc[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= len; c += kLanes)
+    for (int u = 0; u < kLanes; ++u) acc[u] += a[c + u] * b[c + u];
+  T s = 0;
+  for (; c < len; ++c) s += a[c] * b[c];
+  for (int u = 0; u < kLanes; ++u) s += acc[u];
+  return s;
+}
+
+// raw [NT, L] = x [NT, nC] phi [L, nC]^T for a full block: two phi rows x NT tokens of kLanes partial sums in
+// registers, each phi chunk loaded once per block.
+template <typename T, int NT>
+inline void project(const T* __restrict x, const T* __restrict phi, T* __restrict raw, int64_t L, int64_t nC) {
+  typedef T Vec __attribute__((vector_size(kLanes * sizeof(T))));
+  auto load = [](const T* p) { Vec v; std::memcpy(&v, p, sizeof(Vec)); return v; };
+  auto hsum = [](const Vec& v) { T s = 0; for (int u = 0; u < kLanes; ++u) s += v[u]; return s; };
+  const int64_t full = nC / kLanes * kLanes;
+  int64_t l = 0;
+  for (; l + 2 <= L; l += 2) {
+    Vec a0[NT] = {}, a1[NT] = {};
+    const T *p0 = phi + l * nC, *p1 = p0 + nC;
+    for (int64_t c = 0; c < full; c += kLanes) {
+      const Vec q0 = load(p0 + c), q1 = load(p1 + c);
+      for (int t = 0; t < NT; ++t) {
+        const Vec xv = load(x + t * nC + c);
+        a0[t] += xv * q0;
+        a1[t] += xv * q1;
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      T r0 = hsum(a0[t]), r1 = hsum(a1[t]);
+      for (int64_t c = full; c < nC; ++c) r0 += x[t * nC + c] * p0[c], r1 += x[t * nC + c] * p1[c];
+      raw[t * L + l] = r0;
+      raw[t * L + l + 1] = r1;
+    }
+  }
+  for (; l < L; ++l)
+    for (int t = 0; t < NT; ++t) raw[t * L + l] = dot(x + t * nC, phi + l * nC, nC);
+}
+
+// Over a block of nt tokens (NT > 0: exactly NT, known at compile time): dx [nt, nC] += draw [nt, L] phi [L, nC] and
+// dphi [L, nC] += draw^T x [nt, nC], kLanes channels at a time.
+template <typename T, int NT>
+inline void draw_products(const T* __restrict draw, const T* __restrict phi, const T* __restrict x, T* __restrict dx,
+                          T* __restrict dphi, int64_t L, int64_t nC, int64_t nt = NT) {
+  int64_t c0 = 0;
+  if constexpr (NT > 0) {
+    // explicit vectors: left to itself the compiler vectorised over the tokens (gathers), 10x slower
+    typedef T Vec __attribute__((vector_size(kLanes * sizeof(T))));
+    auto load = [](const T* p) { Vec v; std::memcpy(&v, p, sizeof(Vec)); return v; };
+    auto store = [](T* p, const Vec& v) { std::memcpy(p, &v, sizeof(Vec)); };
+    for (; c0 + kLanes <= nC; c0 += kLanes) {
+      Vec acc[NT];
+      for (int t = 0; t < NT; ++t) acc[t] = load(dx + t * nC + c0);
+      for (int64_t l = 0; l < L; ++l) {
+        const Vec p = load(phi + l * nC + c0);
+        Vec g = load(dphi + l * nC + c0);
+        for (int t = 0; t < NT; ++t) {
+          const T a = draw[t * L + l];
+          acc[t] += a * p;
+          g += a * load(x + t * nC + c0);
+        }
+        store(dphi + l * nC + c0, g);
+      }
+      for (int t = 0; t < NT; ++t) store(dx + t * nC + c0, acc[t]);
+    }
+  }
+  for (int64_t l = 0; l < L; ++l)  // the rest: a partial block, or channels past the last full kLanes
+    for (int64_t t = 0; t < nt; ++t) {
+      const T a = draw[t * L + l];
+      for (int64_t c = c0; c < nC; ++c) {
+        dx[t * nC + c] += a * phi[l * nC + c];
+        dphi[l * nC + c] += a * x[t * nC + c];
+      }
+    }
+}
+
+void check_site(const at::Tensor& x, const at::Tensor& phi) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be a contiguous [N, n, C]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "fp32 or fp64 only");
+  const int64_t n = x.size(1), nC = n * x.size(2);
+  TORCH_CHECK(phi.dim() == 2 && phi.size(0) == n * n + 2 * n && phi.size(1) == nC && phi.is_contiguous(),
+              "phi must be a contiguous [n^2 + 2n, nC]");
+  TORCH_CHECK(n * n + 2 * n <= 64, "site_read: at most 6 streams");
+  TORCH_CHECK(phi.scalar_type() == x.scalar_type(), "phi must have x's dtype");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read(
+    const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha_e_in, const at::Tensor& bias_in,
+    const at::Tensor& scale_in, const at::Tensor& shift_in, double norm_eps) {
+  check_site(x, phi);
+  const int64_t N = x.size(0), n = x.size(1), C = x.size(2), nC = n * C, L = n * n + 2 * n;
+  const at::Tensor alpha_e = alpha_e_in.to(x.scalar_type()).contiguous(), bias = bias_in.to(x.scalar_type()).contiguous(),
+                   scale = scale_in.to(x.scalar_type()).contiguous(), shift = shift_in.to(x.scalar_type()).contiguous();
+  TORCH_CHECK(alpha_e.numel() == L && bias.numel() == L && scale.numel() == 2 * n && shift.numel() == 2 * n,
+              "alpha_e, bias: [n^2 + 2n]; scale, shift: [2n]");
+  auto opt = x.options();
+  at::Tensor h = at::empty({N, C}, opt), gates = at::empty({N, 2 * n}, opt), res = at::empty({N, n, n}, opt),
+             inv = at::empty({N}, opt), raw = at::empty({N, L}, opt), sig = at::empty({N, 2 * n}, opt);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "site_read", [&] {
+    using T = scalar_t;
+    const T *xp = x.data_ptr<T>(), *pp = phi.data_ptr<T>(), *ap = alpha_e.data_ptr<T>(), *bp = bias.data_ptr<T>(),
+            *sc = scale.data_ptr<T>(), *sh = shift.data_ptr<T>();
+    T *hp = h.data_ptr<T>(), *gp = gates.data_ptr<T>(), *rp = res.data_ptr<T>(), *ip = inv.data_ptr<T>(),
+      *rawp = raw.data_ptr<T>(), *sp = sig.data_ptr<T>();
+    const T eps = static_cast<T>(norm_eps);
+    at::parallel_for(0, (N + kSiteBlock - 1) / kSiteBlock, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t t0 = blk * kSiteBlock, t1 = std::min(N, t0 + kSiteBlock);
+        if (t1 - t0 == kSiteBlock)  // each phi row once per block
+          project<T, kSiteBlock>(xp + t0 * nC, pp, rawp + t0 * L, L, nC);
+        else
+          for (int64_t l = 0; l < L; ++l)
+            for (int64_t t = t0; t < t1; ++t) rawp[t * L + l] = dot(xp + t * nC, pp + l * nC, nC);
+        for (int64_t t = t0; t < t1; ++t) {
+          const T* xt = xp + t * nC;
+          const T ss = dot(xt, xt, nC);
+          const T r = T(1) / std::sqrt(eps + ss / static_cast<T>(nC));
+          ip[t] = r;
+          for (int64_t l = 0; l < L; ++l) {
+            const T logit = bp[l] + ap[l] * (rawp[t * L + l] * r);
+            if (l < 2 * n) {
+              const T s = T(1) / (T(1) + std::exp(-logit));
+              sp[t * 2 * n + l] = s;
+              gp[t * 2 * n + l] = sh[l] + s * sc[l];
+            } else {
+              rp[t * n * n + l - 2 * n] = logit;
+            }
+          }
+          T* ht = hp + t * C;
+          for (int64_t i = 0; i < n; ++i) {
+            const T w = gp[t * 2 * n + i];
+            const T* xi = xt + i * C;
+            if (i == 0)
+              for (int64_t c = 0; c < C; ++c) ht[c] = w * xi[c];
+            else
+              for (int64_t c = 0; c < C; ++c) ht[c] += w * xi[c];
+          }
+        }
+      }
+    });
+  });
+  return {h, gates, res, inv, raw, sig};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
+    const at::Tensor& dh_in, const at::Tensor& dpost_in, const at::Tensor& dres_in, const at::Tensor& x,
+    const at::Tensor& phi, const at::Tensor& alpha_e_in, const at::Tensor& scale_in, const at::Tensor& inv,
+    const at::Tensor& raw, const at::Tensor& sig, const at::Tensor& gates) {
+  check_site(x, phi);
+  const int64_t N = x.size(0), n = x.size(1), C = x.size(2), nC = n * C, L = n * n + 2 * n;
+  const auto dt = x.scalar_type();
+  const at::Tensor dh = dh_in.to(dt).contiguous(), dpost = dpost_in.to(dt).contiguous(),
+                   dres = dres_in.to(dt).contiguous(), alpha_e = alpha_e_in.to(dt).contiguous(),
+                   scale = scale_in.to(dt).contiguous();
+  TORCH_CHECK(dh.numel() == N * C && dpost.numel() == N * n && dres.numel() == N * n * n, "gradient shapes");
+  TORCH_CHECK(inv.numel() == N && raw.numel() == N * L && sig.numel() == N * 2 * n && gates.numel() == N * 2 * n &&
+                  inv.is_contiguous() && raw.is_contiguous() && sig.is_contiguous() && gates.is_contiguous(),
+              "saved tensors of site_read");
+  const int threads = at::get_num_threads();
+  at::Tensor dx = at::empty({N, n, C}, x.options());
+  at::Tensor dphi_t = at::zeros({threads, L, nC}, x.options()), dsum_t = at::zeros({threads, 2, L}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(dt, "site_read_backward", [&] {
+    using T = scalar_t;
+    const T *xp = x.data_ptr<T>(), *pp = phi.data_ptr<T>(), *ap = alpha_e.data_ptr<T>(), *sc = scale.data_ptr<T>(),
+            *ip = inv.data_ptr<T>(), *rawp = raw.data_ptr<T>(), *sp = sig.data_ptr<T>(), *gp = gates.data_ptr<T>(),
+            *dhp = dh.data_ptr<T>(), *dpp = dpost.data_ptr<T>(), *drp = dres.data_ptr<T>();
+    T *dxp = dx.data_ptr<T>(), *dphi_all = dphi_t.data_ptr<T>(), *dsum_all = dsum_t.data_ptr<T>();
+    at::parallel_for(0, (N + kSiteBlock - 1) / kSiteBlock, 1, [&](int64_t b0, int64_t b1) {
+      const int tid = at::get_thread_num();
+      T* dphi = dphi_all + tid * L * nC;
+      T* dbias = dsum_all + tid * 2 * L;
+      T* dalpha = dbias + L;
+      T draw[kSiteBlock * 64];  // [TB, L], L <= 64 (n <= 7)
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t t0 = blk * kSiteBlock, t1 = std::min(N, t0 + kSiteBlock), nt = t1 - t0;
+        for (int64_t t = t0; t < t1; ++t) {
+          const T* xt = xp + t * nC;
+          const T* dht = dhp + t * C;
+          const T r = ip[t];
+          T dz_raw = 0;
+          for (int64_t l = 0; l < L; ++l) {
+            T dlogit;
+            if (l < 2 * n) {
+              const T dg = l < n ? dot(dht, xt + l * C, C) : dpp[t * n + l - n];
+              const T s = sp[t * 2 * n + l];
+              dlogit = dg * sc[l] * (s - s * s);
+            } else {
+              dlogit = drp[t * n * n + l - 2 * n];
+            }
+            const T rw = rawp[t * L + l];
+            dbias[l] += dlogit;
+            dalpha[l] += dlogit * rw * r;
+            const T dz = dlogit * ap[l];
+            dz_raw += dz * rw;
+            draw[(t - t0) * L + l] = dz * r;
+          }
+          const T coef = dz_raw * r * r * r / static_cast<T>(nC);
+          T* dxt = dxp + t * nC;
+          for (int64_t i = 0; i < n; ++i) {  // H_pre[i] dh - coef x_i
+            const T w = gp[t * 2 * n + i];
+            for (int64_t c = 0; c < C; ++c) dxt[i * C + c] = w * dht[c] - coef * xt[i * C + c];
+          }
+        }
+        // dx += draw phi and dphi += draw^T x over the block, kLanes channels at a time; a full block has a
+        // compile-time token count, so its kSiteBlock x kLanes accumulators stay in registers
+        if (nt == kSiteBlock)
+          draw_products<T, kSiteBlock>(draw, pp, xp + t0 * nC, dxp + t0 * nC, dphi, L, nC);
+        else
+          draw_products<T, 0>(draw, pp, xp + t0 * nC, dxp + t0 * nC, dphi, L, nC, nt);
+      }
+    });
+  });
+  at::Tensor sums = dsum_t.sum(0);
+  return {dx, dphi_t.sum(0), sums[0], sums[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
+  m.def("site_read(Tensor x, Tensor phi, Tensor alpha_e, Tensor bias, Tensor scale, Tensor shift, float norm_eps) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("site_read_backward(Tensor dh, Tensor dpost, Tensor dres_logits, Tensor x, Tensor phi, Tensor alpha_e, "
+        "Tensor scale, Tensor inv_rms, Tensor raw, Tensor sig, Tensor gates) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
+  m.impl("site_read", &site_read);
+  m.impl("site_read_backward", &site_read_backward);
+}
