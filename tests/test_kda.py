@@ -432,6 +432,35 @@ def test_cpp_chunk_core_takes_broadcast_gradients_and_rejects_bad_sizes():
         torch.ops.glm_lightning.kda_chunk_fwd(*(x.detach() for x in (q, k, v, g, beta, s0)), 8, 1)
 
 
+@CPP
+@pytest.mark.parametrize("B,T,Ch,ks", [(2, 7, 5, 4), (2, 37, 144, 4), (1, 70, 576, 4), (2, 9, 20, 2)])
+def test_cpp_short_conv_equals_the_conv2d_path(B, T, Ch, ks, monkeypatch):
+    """ShortConvSiLU (csrc/short_conv.cpp) against the eager channels-last conv2d + SiLU of _short_conv: values and the
+    gradients of the input and the weight; fp64 gradcheck."""
+    from glm_lightning.model.kda_fused import ShortConvSiLU
+
+    layer = KDAttention(_cfg(kda_conv_size=ks))
+    gen = torch.Generator().manual_seed(T)
+    w = torch.randn(Ch, 1, ks, generator=gen, requires_grad=True)
+    layer.conv.weight = torch.nn.Parameter(w.detach().clone())
+    x = torch.randn(B, T, Ch, generator=gen)
+    dy = torch.randn(B, T, Ch, generator=gen)
+
+    def run(use_cpp: bool):
+        monkeypatch.setattr(cext, "available", lambda: use_cpp)
+        xs = x.clone().requires_grad_()
+        y, _ = layer._short_conv(xs, None)
+        return y.detach(), torch.autograd.grad((y * dy).sum(), [xs, layer.conv.weight])
+
+    (y_c, g_c), (y_e, g_e) = run(True), run(False)
+    torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    xd = torch.randn(1, 6, 3, dtype=torch.float64, requires_grad=True)
+    wd = torch.randn(3, 1, ks, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(ShortConvSiLU.apply, (xd, wd))
+
+
 def test_decode_step_in_place_equals_recurrent_step():
     """The decode fast path (_delta_step_, heads flattened into bmm batches) on strided slices of a fused q|k|v
     projection, as decoding passes them, equals one step of the reference recurrence, and writes S in place."""

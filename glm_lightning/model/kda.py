@@ -47,9 +47,10 @@ Decoding keeps a :class:`KDACache`: the last ``ks - 1`` raw (pre-conv) projectio
 in place when autograd is off).
 
 CPU notes: q|k|v come from one fused matmul; the short conv is a depthwise ``conv2d`` on the channels-last view of the
-``[B, T, 3HK]`` projections (no transposes); q and k are normalised in one pass; the chunked core works on contiguous
-chunk-major ``[N, B, H, C, D]`` tensors, solves ``[U | W]`` with one triangular solve and gets ``P``, ``R``, ``Aqk U``
-and ``Aqk W`` from two matmuls.
+``[B, T, 3HK]`` projections (no transposes); q and k are normalised in one pass; the chunked core runs as one C++ op
+per direction when the ops are built (csrc/kda_chunk.cpp, every chunk's matrices in L1); its eager form works on
+contiguous chunk-major ``[N, B, H, C, D]`` tensors, forms ``L^-1`` once and gets ``P``, ``R``, ``Aqk U`` and
+``Aqk W`` from two matmuls.
 
 State and gate math are fp32 (fp64 inputs to the pure functions stay fp64, for gradcheck-style tests).
 """
@@ -66,7 +67,7 @@ from torch import Tensor, nn
 from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.kda_chunk import KDAChunkFunction, chunk_cpp, cpp_supports, scan, scan_backward
-from glm_lightning.model.kda_fused import GatedHeadNorm, KDAFeatures
+from glm_lightning.model.kda_fused import GatedHeadNorm, KDAFeatures, ShortConvSiLU
 from glm_lightning.model.linear import linear
 from glm_lightning.model.norm import RMSNorm
 
@@ -232,6 +233,12 @@ def _conv_step_(conv_state: Tensor, raw: Tensor, weight: Tensor, fused: bool | N
     return y
 
 
+def _conv_fusable(raw: Tensor, weight: Tensor) -> bool:
+    """Whether a cache-free short conv runs as the C++ op (csrc/short_conv.cpp): built, CPU, fp32/fp64, kernel <= 16."""
+    return (raw.device.type == "cpu" and raw.dtype in (torch.float32, torch.float64) and weight.dtype == raw.dtype
+            and weight.shape[-1] <= 16 and cext.available())
+
+
 def _writable(t: Tensor) -> bool:
     """Whether t may be updated in place here (inference tensors only inside inference mode)."""
     return not t.is_inference() or torch.is_inference_mode_enabled()
@@ -324,7 +331,7 @@ class KDAttention(nn.Module):
 
     # ---------------------------------------------------------------------------------------------------------------
     def _short_conv(self, raw: Tensor, ctx: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """Causal depthwise conv + SiLU over time.
+        """Causal depthwise conv + SiLU over time (without a ctx: the C++ op of csrc/short_conv.cpp when built).
 
         raw [B, T, Ch] raw projections; ctx [B, ks-1, Ch] the previous raw inputs, or None for zeros (training).
         Returns SiLU(conv) [B, T, Ch] and, with a ctx, the raw inputs after their context [B, ks-1+T, Ch].
@@ -333,6 +340,8 @@ class KDAttention(nn.Module):
         """
         T, ks, Ch = raw.shape[1], self.conv_size, raw.shape[-1]
         w = self.conv.weight                                                         # [Ch, 1, ks]
+        if ctx is None and _conv_fusable(raw, w):
+            return ShortConvSiLU.apply(raw, w), None
         if ctx is None:
             xp = None
             y = F.conv2d(raw.transpose(1, 2).unsqueeze(2), w.unsqueeze(2), groups=Ch, padding=(0, ks - 1))

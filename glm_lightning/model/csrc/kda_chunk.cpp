@@ -58,28 +58,7 @@ inline void row_gemm(T* __restrict out, const T* __restrict a, int p0, int p1, c
   }
 }
 
-// exp for the chunk's decay factors. fp32: a branch-free form the compiler vectorises (2^n exp(r), |r| <= ln2 / 2,
-// Cody-Waite split of ln2, degree-6 Taylor polynomial: within 2 ulp of expf; 0 below -87.3 as fp32 flushes anyway);
-// std::exp called per element was most of the op's time. fp64 (gradcheck) keeps std::exp.
-inline float exp_(float x) {
-  const bool tiny = x < -87.3f;
-  x = x > 88.3f ? 88.3f : (tiny ? 0.f : x);
-  const float magic = 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const float n = (x * 1.44269504088896341f + magic) - magic;
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return tiny ? 0.f : p * scale;
-}
-inline double exp_(double x) { return std::exp(x); }
+using glm_lightning_ops::exp_;
 
 // out [m, NC] (= or +=) A [m, kd] (row stride lda) @ B [kd, NC] (row stride ldb); out row stride ldo.
 template <typename T, int NC>
