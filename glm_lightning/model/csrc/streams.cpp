@@ -10,10 +10,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <tuple>
 #include <vector>
 
 namespace {
+
+constexpr int kStreamLanes = 16;  // partial sums per dot product (one fp32 AVX-512 register)
+constexpr int64_t kMaxStreams = 8;
 
 // A [..., k] operand as (pointer offset per token): row-major with a uniform token stride (e.g. H_post, a slice of
 // the fused gates), so that no copy is needed; anything else is made contiguous (one copy).
@@ -147,6 +151,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stream_write_backward
   const int64_t n = x.size(-2), C = x.size(-1), T = x.numel() / (n * C);
   const Tokens res = tokens(res_in.reshape({-1, n * n}), n * n), post = tokens(post_in, n);
   TORCH_CHECK(g.numel() == T * n * C && g.scalar_type() == x.scalar_type(), "grad must be shaped as x");
+  TORCH_CHECK(n <= kMaxStreams, "stream_write_backward: at most ", kMaxStreams, " streams");
   at::Tensor gres = at::empty(res_in.sizes(), x.options()), gx = at::empty(x.sizes(), x.options()),
              gpost = at::empty(post_in.sizes(), x.options()), gy = at::empty(y_in.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "stream_write_backward", [&] {
@@ -155,28 +160,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stream_write_backward
     scalar_t *grp = gres.data_ptr<scalar_t>(), *gxp = gx.data_ptr<scalar_t>(), *gpp = gpost.data_ptr<scalar_t>(),
              *gyp = gy.data_ptr<scalar_t>();
     at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      typedef scalar_t Vec __attribute__((vector_size(kStreamLanes * sizeof(scalar_t))));
+      auto load = [](const scalar_t* p) { Vec v; std::memcpy(&v, p, sizeof(Vec)); return v; };
+      auto store = [](scalar_t* p, const Vec& v) { std::memcpy(p, &v, sizeof(Vec)); };
+      auto hsum = [](const Vec& v) { scalar_t s = 0; for (int u = 0; u < kStreamLanes; ++u) s += v[u]; return s; };
+      const int64_t full = C / kStreamLanes * kStreamLanes;
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* yt = yp + t * C;
         scalar_t* gyt = gyp + t * C;
         for (int64_t i = 0; i < n; ++i) {
           const scalar_t* gi = gp + (t * n + i) * C;
           const scalar_t pi = pp[t * post.stride + i];
-          scalar_t dot = 0;
-          for (int64_t c = 0; c < C; ++c) {
-            dot += gi[c] * yt[c];
-            gyt[c] = (i == 0 ? scalar_t(0) : gyt[c]) + pi * gi[c];
+          const bool first = i == 0;
+          // the dot products <g_i, y> and <g_i, x_j> as kStreamLanes partial sums (a scalar `s +=` loop is not
+          // vectorised without -ffast-math, and it kept the whole loop scalar)
+          Vec dot = {}, s[kMaxStreams] = {};
+          for (int64_t c = 0; c < full; c += kStreamLanes) {
+            const Vec g = load(gi + c);
+            dot += g * load(yt + c);
+            store(gyt + c, first ? pi * g : load(gyt + c) + pi * g);
+            for (int64_t j = 0; j < n; ++j) {
+              const scalar_t* xj = xp + (t * n + j) * C;
+              scalar_t* gxj = gxp + (t * n + j) * C;
+              const scalar_t rij = rp[t * res.stride + i * n + j];
+              s[j] += g * load(xj + c);
+              store(gxj + c, first ? rij * g : load(gxj + c) + rij * g);
+            }
           }
-          gpp[t * n + i] = dot;
+          scalar_t dot_s = hsum(dot);
+          for (int64_t c = full; c < C; ++c) {
+            dot_s += gi[c] * yt[c];
+            gyt[c] = (first ? scalar_t(0) : gyt[c]) + pi * gi[c];
+          }
+          gpp[t * n + i] = dot_s;
           for (int64_t j = 0; j < n; ++j) {
             const scalar_t* xj = xp + (t * n + j) * C;
             scalar_t* gxj = gxp + (t * n + j) * C;
             const scalar_t rij = rp[t * res.stride + i * n + j];
-            scalar_t s = 0;
-            for (int64_t c = 0; c < C; ++c) {
-              s += gi[c] * xj[c];
-              gxj[c] = (i == 0 ? scalar_t(0) : gxj[c]) + rij * gi[c];
+            scalar_t sj = hsum(s[j]);
+            for (int64_t c = full; c < C; ++c) {
+              sj += gi[c] * xj[c];
+              gxj[c] = (first ? scalar_t(0) : gxj[c]) + rij * gi[c];
             }
-            grp[(t * n + i) * n + j] = s;
+            grp[(t * n + i) * n + j] = sj;
           }
         }
       }
