@@ -66,7 +66,8 @@ from torch import Tensor, nn
 
 from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
-from glm_lightning.model.kda_chunk import KDAChunkFunction, chunk_cpp, cpp_supports, scan, scan_backward
+from glm_lightning.model.kda_chunk import (CPP_MIN_HEAD, KDAChunkFunction, chunk_cpp, cpp_supports, scan,
+                                           scan_backward)
 from glm_lightning.model.kda_fused import GatedHeadNorm, KDAFeatures, ShortConvSiLU
 from glm_lightning.model.linear import linear
 from glm_lightning.model.norm import RMSNorm
@@ -168,7 +169,7 @@ def kda_chunked(
     factorised exp so that fp32 cannot overflow. If None it is read from the data (``max(-g)``). ``fused`` picks the
     C++ ops (True: the whole core as one op per direction when :func:`~glm_lightning.model.kda_chunk.cpp_supports`
     the sizes, else the eager core with the C++ chunk hand-off), the eager core (False), or the C++ ops when they are
-    built (None).
+    built (None; the whole-core op then only for heads of at least ``CPP_MIN_HEAD``, where it is faster).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -186,10 +187,10 @@ def kda_chunked(
     if gate_bound is None:
         gate_bound = float(-g.detach().min().clamp(max=0.0))
     ns = _n_row_blocks(chunk_size, abs(gate_bound))
-    fused = cext.available() and q.device.type == "cpu" if fused is None else fused
-    if fused and cpp_supports(chunk_size, K, V):
+    use_cpp = cext.available() and q.device.type == "cpu" if fused is None else fused
+    if use_cpp and cpp_supports(chunk_size, K, V) and (fused is True or max(K, V) >= CPP_MIN_HEAD):
         return chunk_cpp(q, k, v, g, beta, S, chunk_size, ns)
-    return KDAChunkFunction.apply(q, k, v, g, beta, S, chunk_size, ns, fused)
+    return KDAChunkFunction.apply(q, k, v, g, beta, S, chunk_size, ns, use_cpp)
 
 
 def _fusable(*ts: Tensor) -> bool:

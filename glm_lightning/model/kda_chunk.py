@@ -19,7 +19,7 @@ then the factor products (d kr = dM kcol, d kcol = dM^T kr + dAqk^T qr, ...) and
 With the C++ ops built, :func:`chunk_cpp` runs the same math as one op per direction (csrc/kda_chunk.cpp): each
 (row, head) walks its chunks with every chunk-local matrix in L1, and the backward recomputes a chunk's forward
 values instead of saving ~20 chunk-major tensors. flash-25m at 32 x 128, one layer's core forward + backward:
-36.9 -> 14.1 ms at 2 threads (``python -m benchmarks --only kda``); the study model's 2.4 -> 2.1 ms.
+36.9 -> 14.1 ms at 2 threads (``python -m benchmarks --only kda``); for small heads see :data:`CPP_MIN_HEAD`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["KDAChunkCpp", "KDAChunkFunction", "chunk_cpp", "cpp_supports", "scan", "scan_backward"]
+__all__ = ["CPP_MIN_HEAD", "KDAChunkCpp", "KDAChunkFunction", "chunk_cpp", "cpp_supports", "scan", "scan_backward"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -195,6 +195,12 @@ class KDAChunkFunction(torch.autograd.Function):
 
 CPP_CHUNKS = (16, 32, 64)
 """Chunk sizes the C++ core is compiled for (head sizes: K and V up to 64, zero-padded to 16, 32 or 64)."""
+
+
+CPP_MIN_HEAD = 32
+"""By default the C++ core runs for head sizes from 32 up: there it is 2.5x the eager core (flash-25m, 6 heads of 32),
+while the study model's heads of 16 in chunks of 16 ran at 0.7-0.8x of it (per-chunk overhead over 16 x 16 blocks),
+so they keep the eager core (with the C++ hand-off). ``fused=True`` asks for the C++ core at any supported size."""
 
 
 def cpp_supports(C: int, K: int, V: int) -> bool:
