@@ -354,3 +354,37 @@ def test_segment_experts_only_for_unequal_loads(monkeypatch):
         m.expert_bias.copy_(torch.tensor([3.0, 0.0, 0.0, -5.0]))  # expert 0 always chosen: load 400 of 800
         m(x)
     assert calls == [1]
+
+
+@needs_cext
+@pytest.mark.parametrize("shared", [0, 12])
+def test_cpp_swiglu_equals_the_eager_activation(shared, monkeypatch):
+    """csrc/swiglu.cpp (the experts' and the shared expert's SiLU(gate) * up, forward and backward in one pass each)
+    against the eager activation: the layer's output and every gradient; the ops alone on odd shapes (incl. large
+    |gate|) and fp64 gradcheck of the shared expert's Function."""
+    import glm_lightning.model.cext as cext
+    import glm_lightning.model.moe as moe_mod
+    m = make(seed=6, shared_expert_hidden=shared)
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    proj = torch.randn(2, 9, 16)
+
+    def run(use_cpp: bool):
+        monkeypatch.setattr(cext, "available", lambda: use_cpp)
+        y, aux = m(x)
+        return y.detach(), grads(m, x, (y * proj).sum() + aux)
+
+    (y_c, g_c), (y_e, g_e) = run(True), run(False)
+    torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_c, g_e):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(cext, "available", lambda: True)
+    hgu = torch.cat([torch.randn(3, 5, 7) * 30, torch.randn(3, 5, 7)], dim=-1)  # SiLU saturated both ways
+    gate, up = hgu.chunk(2, dim=-1)
+    torch.testing.assert_close(torch.ops.glm_lightning.swiglu(hgu), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    da = torch.randn(3, 5, 7)
+    ref = torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=-1)
+    torch.testing.assert_close(torch.ops.glm_lightning.swiglu_backward(da, hgu), ref, rtol=1e-5, atol=1e-6)
+    hd = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(moe_mod._SwiGLU.apply, (hd,))

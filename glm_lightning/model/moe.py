@@ -56,6 +56,42 @@ def _sorted_gates(w: Tensor, order: Tensor, dtype: torch.dtype) -> Tensor:
     return (gates if gates.dtype == dtype else gates.to(dtype)).unsqueeze(-1)
 
 
+def _fused_swiglu(hgu: Tensor) -> bool:
+    """Whether SwiGLU runs as the C++ ops of csrc/swiglu.cpp for hgu: built, CPU, fp32/fp64, contiguous."""
+    return (hgu.device.type == "cpu" and hgu.dtype in (torch.float32, torch.float64) and hgu.is_contiguous()
+            and cext.available())
+
+
+def _swiglu_act(hgu: Tensor) -> Tensor:
+    """a = SiLU(gate) * up for the fused projections hgu [..., 2h] = [gate | up] (one pass with the C++ ops)."""
+    if _fused_swiglu(hgu):
+        return torch.ops.glm_lightning.swiglu(hgu)
+    gate, up = hgu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_act_backward(da: Tensor, hgu: Tensor) -> Tensor:
+    """d hgu = [da up SiLU'(gate) | da SiLU(gate)] (one pass with the C++ ops; eager: SiLU recomputed, cat)."""
+    if _fused_swiglu(hgu):
+        return torch.ops.glm_lightning.swiglu_backward(da, hgu)
+    gate, up = hgu.chunk(2, dim=-1)
+    return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=-1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """The shared expert's activation with :func:`_swiglu_act` / :func:`_swiglu_act_backward` (autograd recorded
+    chunk, SiLU and product, and replayed them as ~6 passes over the [tokens, 2h] projections)."""
+
+    @staticmethod
+    def forward(ctx, hgu: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(hgu)
+        return _swiglu_act(hgu)
+
+    @staticmethod
+    def backward(ctx, da: Tensor) -> Tensor:  # type: ignore[override]
+        return _swiglu_act_backward(da, ctx.saved_tensors[0])
+
+
 class _GroupedExperts(torch.autograd.Function):
     """The routed experts as one grouped GEMM over sorted tokens, with a hand-written backward.
 
@@ -72,20 +108,17 @@ class _GroupedExperts(torch.autograd.Function):
                 order: Tensor, token: Tensor, slot: Tensor, cap: int) -> Tensor:
         xs = _padded_batch(x, token, slot, w_gate_up.shape[0], cap)
         hgu = torch.bmm(xs, w_gate_up.transpose(1, 2))                               # [E, cap, 2h]
-        gate, up = hgu.chunk(2, dim=-1)
-        sg = F.silu(gate)
-        a = sg * up
+        a = _swiglu_act(hgu)
         y_sorted = torch.bmm(a, w_down.transpose(1, 2)).view(-1, x.shape[-1]).index_select(0, slot)
         gates = _sorted_gates(w, order, x.dtype)
-        ctx.save_for_backward(xs, hgu, sg, a, y_sorted, gates, w_gate_up, w_down, order, token, slot)
+        ctx.save_for_backward(xs, hgu, a, y_sorted, gates, w_gate_up, w_down, order, token, slot)
         ctx.w_shape, ctx.w_dtype = w.shape, w.dtype
         return torch.zeros_like(x).index_add_(0, token, y_sorted * gates)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # type: ignore[override]
-        xs, hgu, sg, a, y_sorted, gates, w_gate_up, w_down, order, token, slot = ctx.saved_tensors
+        xs, hgu, a, y_sorted, gates, w_gate_up, w_down, order, token, slot = ctx.saved_tensors
         E, cap, d = xs.shape
-        gate, up = hgu.chunk(2, dim=-1)
         dy_sorted = dy.index_select(0, token)                                         # [A, d]
         dgates = (dy_sorted * y_sorted).sum(-1)
         dw = dgates.new_zeros(ctx.w_shape.numel()).index_copy_(0, order, dgates).view(ctx.w_shape)
@@ -93,7 +126,7 @@ class _GroupedExperts(torch.autograd.Function):
         need = ctx.needs_input_grad
         dw_down = torch.bmm(dys.transpose(1, 2), a) if need[3] else None             # [E, d, h]
         da = torch.bmm(dys, w_down)                                                   # [E, cap, h]
-        dhgu = torch.cat([torch.ops.aten.silu_backward(da * up, gate), da.mul_(sg)], dim=-1)
+        dhgu = _swiglu_act_backward(da, hgu)
         dw_gate_up = torch.bmm(dhgu.transpose(1, 2), xs) if need[2] else None        # [E, 2h, d]
         dx = None
         if need[0]:
@@ -123,23 +156,20 @@ class _SegmentExperts(torch.autograd.Function):
         xs_e, hgu_e, wgu_t = xs.split(counts), hgu.split(counts), w_gate_up.transpose(1, 2).unbind(0)
         for e in used:
             torch.mm(xs_e[e], wgu_t[e], out=hgu_e[e])
-        gate, up = hgu.chunk(2, dim=-1)
-        sg = F.silu(gate)
-        a = sg * up
+        a = _swiglu_act(hgu)
         ys = x.new_empty(A, x.shape[-1])
         a_e, ys_e, wd_t = a.split(counts), ys.split(counts), w_down.transpose(1, 2).unbind(0)
         for e in used:
             torch.mm(a_e[e], wd_t[e], out=ys_e[e])
         gates = _sorted_gates(w, order, x.dtype)
-        ctx.save_for_backward(xs, hgu, sg, a, ys, gates, w_gate_up, w_down, order, token)
+        ctx.save_for_backward(xs, hgu, a, ys, gates, w_gate_up, w_down, order, token)
         ctx.counts, ctx.used, ctx.w_shape, ctx.w_dtype = counts, used, w.shape, w.dtype
         return torch.zeros_like(x).index_add_(0, token, ys * gates)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # type: ignore[override]
-        xs, hgu, sg, a, ys, gates, w_gate_up, w_down, order, token = ctx.saved_tensors
+        xs, hgu, a, ys, gates, w_gate_up, w_down, order, token = ctx.saved_tensors
         counts, used, need = ctx.counts, ctx.used, ctx.needs_input_grad
-        gate, up = hgu.chunk(2, dim=-1)
         dy_sorted = dy.index_select(0, token)                                          # [A, d]
         dgates = (dy_sorted * ys).sum(-1)
         dw = dgates.new_zeros(ctx.w_shape.numel()).index_copy_(0, order, dgates).view(ctx.w_shape)
@@ -154,7 +184,7 @@ class _SegmentExperts(torch.autograd.Function):
             dys_t, a_e, dwd = dys.t().split(counts, dim=1), a.split(counts), dw_down.unbind(0)
             for e in used:
                 torch.mm(dys_t[e], a_e[e], out=dwd[e])
-        dhgu = torch.cat([torch.ops.aten.silu_backward(da * up, gate), da.mul_(sg)], dim=-1)
+        dhgu = _swiglu_act_backward(da, hgu)
         dw_gate_up = dx = None
         if need[2]:
             dw_gate_up = torch.zeros_like(w_gate_up)                                  # [E, 2h, d]
@@ -191,8 +221,7 @@ def _experts_small(x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, orde
     """The forward of :class:`_GroupedExperts` without autograd, its two bmm as ``small_matmul`` over each expert's
     ``counts`` real rows (same gather and scatter, same values within float rounding)."""
     xs = _padded_batch(x, token, slot, w_gate_up.shape[0], cap)
-    gate, up = torch.ops.glm_lightning.small_matmul(xs, w_gate_up, counts).chunk(2, dim=-1)
-    a = F.silu(gate).mul_(up)
+    a = _swiglu_act(torch.ops.glm_lightning.small_matmul(xs, w_gate_up, counts))
     y_sorted = torch.ops.glm_lightning.small_matmul(a, w_down, counts).view(-1, x.shape[-1]).index_select(0, slot)
     return torch.zeros_like(x).index_add_(0, token, y_sorted.mul_(_sorted_gates(w, order, x.dtype)))
 
@@ -244,7 +273,10 @@ class MoE(nn.Module):
 
     @staticmethod
     def _swiglu(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
-        gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
+        hgu = linear(x, w_gate_up)
+        if _fused_swiglu(hgu):
+            return linear(_SwiGLU.apply(hgu), w_down)
+        gate, up = hgu.chunk(2, dim=-1)
         return linear(F.silu(gate) * up, w_down)
 
     def _dispatch(self, x: Tensor, idx: Tensor, w: Tensor, counts: list[int], counts_t: Tensor) -> Tensor:
