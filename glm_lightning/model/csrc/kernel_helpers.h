@@ -32,6 +32,27 @@ void with_sizes(int64_t K, int64_t V, F&& fn) {
   return fn.template operator()<0, 0>();
 }
 
+// Explicit SIMD vectors of kLanes elements (GCC vector extensions: one fp32 AVX-512 register, two of AVX2) for the
+// loops the compiler will not vectorise on its own: dot products (a scalar `s += a * b` reduction stays scalar without
+// -ffast-math) and register tiles over a few tokens (left alone it vectorised over the tokens, with gathers).
+constexpr int kLanes = 16;
+
+template <typename T>
+struct Lanes {
+  typedef T Vec __attribute__((vector_size(kLanes * sizeof(T))));
+  static Vec load(const T* p) {
+    Vec v;
+    std::memcpy(&v, p, sizeof(Vec));
+    return v;
+  }
+  static void store(T* p, const Vec& v) { std::memcpy(p, &v, sizeof(Vec)); }
+  static T sum(const Vec& v) {
+    T s = 0;
+    for (int u = 0; u < kLanes; ++u) s += v[u];
+    return s;
+  }
+};
+
 // exp for the kernels' elementwise loops (KDA's decay factors, SiLU). fp32: a branch-free form the compiler
 // vectorises (2^n exp(r), |r| <= ln2 / 2, Cody-Waite split of ln2, degree-6 Taylor polynomial: within 2 ulp of expf;
 // 0 below -87.3 as fp32 flushes anyway); std::exp called per element was most of the KDA chunk op's time.

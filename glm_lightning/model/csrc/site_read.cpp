@@ -22,25 +22,26 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <cstring>
 #include <tuple>
 #include <vector>
+
+#include "kernel_helpers.h"
 
 namespace {
 
 constexpr int64_t kSiteBlock = 8;  // tokens per block (TB)
-constexpr int kLanes = 16;         // independent partial sums of a dot product: one fp32 AVX-512 register
+using glm_lightning_ops::kLanes;
+using glm_lightning_ops::Lanes;
 
-// sum_c a[c] b[c] with kLanes partial sums (a plain `s += a * b` loop is not vectorised without -ffast-math)
+// sum_c a[c] b[c] as kLanes partial sums
 template <typename T>
 inline T dot(const T* __restrict a, const T* __restrict b, int64_t len) {
-  T acc[kLanes] = {};
+  using L = Lanes<T>;
+  typename L::Vec acc = {};
   int64_t c = 0;
-  for (; c + kLanes <= len; c += kLanes)
-    for (int u = 0; u < kLanes; ++u) acc[u] += a[c + u] * b[c + u];
-  T s = 0;
+  for (; c + kLanes <= len; c += kLanes) acc += L::load(a + c) * L::load(b + c);
+  T s = L::sum(acc);
   for (; c < len; ++c) s += a[c] * b[c];
-  for (int u = 0; u < kLanes; ++u) s += acc[u];
   return s;
 }
 
@@ -48,9 +49,9 @@ inline T dot(const T* __restrict a, const T* __restrict b, int64_t len) {
 // registers, each phi chunk loaded once per block.
 template <typename T, int NT>
 inline void project(const T* __restrict x, const T* __restrict phi, T* __restrict raw, int64_t L, int64_t nC) {
-  typedef T Vec __attribute__((vector_size(kLanes * sizeof(T))));
-  auto load = [](const T* p) { Vec v; std::memcpy(&v, p, sizeof(Vec)); return v; };
-  auto hsum = [](const Vec& v) { T s = 0; for (int u = 0; u < kLanes; ++u) s += v[u]; return s; };
+  using Vec = typename Lanes<T>::Vec;
+  constexpr auto load = Lanes<T>::load;
+  constexpr auto hsum = Lanes<T>::sum;
   const int64_t full = nC / kLanes * kLanes;
   int64_t l = 0;
   for (; l + 2 <= L; l += 2) {
@@ -83,9 +84,9 @@ inline void draw_products(const T* __restrict draw, const T* __restrict phi, con
   int64_t c0 = 0;
   if constexpr (NT > 0) {
     // explicit vectors: left to itself the compiler vectorised over the tokens (gathers), 10x slower
-    typedef T Vec __attribute__((vector_size(kLanes * sizeof(T))));
-    auto load = [](const T* p) { Vec v; std::memcpy(&v, p, sizeof(Vec)); return v; };
-    auto store = [](T* p, const Vec& v) { std::memcpy(p, &v, sizeof(Vec)); };
+    using Vec = typename Lanes<T>::Vec;
+    constexpr auto load = Lanes<T>::load;
+    constexpr auto store = Lanes<T>::store;
     for (; c0 + kLanes <= nC; c0 += kLanes) {
       Vec acc[NT];
       for (int t = 0; t < NT; ++t) acc[t] = load(dx + t * nC + c0);

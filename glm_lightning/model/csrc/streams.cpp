@@ -10,13 +10,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cstring>
 #include <tuple>
 #include <vector>
 
+#include "kernel_helpers.h"
+
 namespace {
 
-constexpr int kStreamLanes = 16;  // partial sums per dot product (one fp32 AVX-512 register)
+using glm_lightning_ops::kLanes;
+using glm_lightning_ops::Lanes;
 constexpr int64_t kMaxStreams = 8;
 
 // A [..., k] operand as (pointer offset per token): row-major with a uniform token stride (e.g. H_post, a slice of
@@ -160,11 +162,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stream_write_backward
     scalar_t *grp = gres.data_ptr<scalar_t>(), *gxp = gx.data_ptr<scalar_t>(), *gpp = gpost.data_ptr<scalar_t>(),
              *gyp = gy.data_ptr<scalar_t>();
     at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
-      typedef scalar_t Vec __attribute__((vector_size(kStreamLanes * sizeof(scalar_t))));
-      auto load = [](const scalar_t* p) { Vec v; std::memcpy(&v, p, sizeof(Vec)); return v; };
-      auto store = [](scalar_t* p, const Vec& v) { std::memcpy(p, &v, sizeof(Vec)); };
-      auto hsum = [](const Vec& v) { scalar_t s = 0; for (int u = 0; u < kStreamLanes; ++u) s += v[u]; return s; };
-      const int64_t full = C / kStreamLanes * kStreamLanes;
+      using Vec = typename Lanes<scalar_t>::Vec;
+      constexpr auto load = Lanes<scalar_t>::load;
+      constexpr auto store = Lanes<scalar_t>::store;
+      constexpr auto hsum = Lanes<scalar_t>::sum;
+      const int64_t full = C / kLanes * kLanes;
       for (int64_t t = b; t < e; ++t) {
         const scalar_t* yt = yp + t * C;
         scalar_t* gyt = gyp + t * C;
@@ -172,10 +174,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stream_write_backward
           const scalar_t* gi = gp + (t * n + i) * C;
           const scalar_t pi = pp[t * post.stride + i];
           const bool first = i == 0;
-          // the dot products <g_i, y> and <g_i, x_j> as kStreamLanes partial sums (a scalar `s +=` loop is not
+          // the dot products <g_i, y> and <g_i, x_j> as kLanes partial sums (a scalar `s +=` loop is not
           // vectorised without -ffast-math, and it kept the whole loop scalar)
           Vec dot = {}, s[kMaxStreams] = {};
-          for (int64_t c = 0; c < full; c += kStreamLanes) {
+          for (int64_t c = 0; c < full; c += kLanes) {
             const Vec g = load(gi + c);
             dot += g * load(yt + c);
             store(gyt + c, first ? pi * g : load(gyt + c) + pi * g);
