@@ -7,9 +7,10 @@ is one op forward and one backward. Decoding adds two kinds that stream memory o
 decode step (short conv and delta rule, in place on the cache) and x @ W^T for experts with a few tokens (BLAS
 repacks the whole weight per call). Training adds two that keep a whole computation in cache instead of writing ~20
 intermediate tensors: KDA's chunked core (each chunk's matrices in L1, csrc/kda_chunk.cpp) and an mHC site's read
-(norm, projection, gates and read in one pass over the streams, csrc/site_read.cpp); KDA's short conv + SiLU and the experts'
-SwiGLU are one pass each way too (csrc/short_conv.cpp, csrc/swiglu.cpp). No ninja and no pybind: one g++ call on one translation unit that includes every
-source, with torch's headers, registering the ops through TORCH_LIBRARY (schema `glm_lightning::...`).
+(norm, projection, gates and read in one pass over the streams, csrc/site_read.cpp); KDA's short conv + SiLU and the
+experts' SwiGLU are one pass each way too (csrc/short_conv.cpp, csrc/swiglu.cpp). No ninja and no pybind: one g++
+call on one translation unit that includes every source, with torch's headers, registering the ops through
+TORCH_LIBRARY (schema `glm_lightning::...`).
 
     GLM_LIGHTNING_EXT=auto (default)  build at first use (~50 s of CPU, once per source/torch version) and use it
     GLM_LIGHTNING_EXT=0               never build or load it: the eager paths only

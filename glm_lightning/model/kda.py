@@ -46,8 +46,9 @@ Decoding keeps a :class:`KDACache`: the last ``ks - 1`` raw (pre-conv) projectio
 ``T > 1`` runs the chunked form from the cached state; ``T == 1`` runs a single recurrent step (written into the cache
 in place when autograd is off).
 
-CPU notes: q|k|v come from one fused matmul; the short conv is a depthwise ``conv2d`` on the channels-last view of the
-``[B, T, 3HK]`` projections (no transposes); q and k are normalised in one pass; the chunked core runs as one C++ op
+CPU notes: q|k|v come from one fused matmul; the short conv + SiLU is one C++ op per direction when the ops are built
+(csrc/short_conv.cpp), else a depthwise ``conv2d`` on the channels-last view of the ``[B, T, 3HK]`` projections (no
+transposes); q and k are normalised in one pass; the chunked core runs as one C++ op
 per direction when the ops are built (csrc/kda_chunk.cpp, every chunk's matrices in L1); its eager form works on
 contiguous chunk-major ``[N, B, H, C, D]`` tensors, forms ``L^-1`` once and gets ``P``, ``R``, ``Aqk U`` and
 ``Aqk W`` from two matmuls.

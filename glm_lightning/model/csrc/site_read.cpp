@@ -128,8 +128,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& scale_in, const at::Tensor& shift_in, double norm_eps) {
   check_site(x, phi);
   const int64_t N = x.size(0), n = x.size(1), C = x.size(2), nC = n * C, L = n * n + 2 * n;
-  const at::Tensor alpha_e = alpha_e_in.to(x.scalar_type()).contiguous(), bias = bias_in.to(x.scalar_type()).contiguous(),
-                   scale = scale_in.to(x.scalar_type()).contiguous(), shift = shift_in.to(x.scalar_type()).contiguous();
+  const auto dt = x.scalar_type();
+  const at::Tensor alpha_e = alpha_e_in.to(dt).contiguous(), bias = bias_in.to(dt).contiguous(),
+                   scale = scale_in.to(dt).contiguous(), shift = shift_in.to(dt).contiguous();
   TORCH_CHECK(alpha_e.numel() == L && bias.numel() == L && scale.numel() == 2 * n && shift.numel() == 2 * n,
               "alpha_e, bias: [n^2 + 2n]; scale, shift: [2n]");
   auto opt = x.options();
