@@ -53,10 +53,11 @@ def make_step(model: torch.nn.Module, loss_fn, batch: int, seq: int) -> Callable
 
 def time_in_turns(steps: dict[str, Callable[[], float]], rounds: int, per_turn: int = 2) -> dict[str, float]:
     """Median seconds per step of each model, the models taking turns (each turn: one untimed step, then per_turn
-    timed ones), so that load changes on a shared machine hit both alike: the dense phase run before the hybrid one
-    gave ratios from 0.57x to 0.91x in one sitting. Not step by step: a model's first step after the other's is
-    slower (its memory is faulted in again; step by step the hybrid's median step read 3.27 s against 2.71-2.85 s
-    when run alone in the same hour), which training never pays."""
+    timed ones), so that load changes on a shared machine hit both alike: with the dense phase run before the hybrid
+    one, the unchanged dense model alone read 2.22-2.61 s/step across four runs of one sitting. Not step by step:
+    that way the hybrid's median step read 3.27 s against 2.71-2.85 s in runs of its own steps in the same hour
+    (those with torch's AdamW, which is slower); we suspect each model's first step after the other's pays again for
+    its memory (not measured), which training never does."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():

@@ -127,3 +127,12 @@ def available() -> bool:
     """Whether the C++ ops are loaded (building them on the first call, unless disabled)."""
     return load()
 
+
+def takes(*tensors: torch.Tensor, fp64: bool = True) -> bool:
+    """Whether the C++ ops take these tensors: all on the CPU, of one dtype, fp32 (or fp64 for the ops that have an
+    fp64 instantiation, for gradcheck), and the ops are loaded. The one check in front of every C++ path."""
+    dtypes = (torch.float32, torch.float64) if fp64 else (torch.float32,)
+    dtype = tensors[0].dtype
+    return (dtype in dtypes and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+            and available())
+

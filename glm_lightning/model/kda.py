@@ -188,15 +188,15 @@ def kda_chunked(
     if gate_bound is None:
         gate_bound = float(-g.detach().min().clamp(max=0.0))
     ns = _n_row_blocks(chunk_size, abs(gate_bound))
-    use_cpp = cext.available() and q.device.type == "cpu" if fused is None else fused
+    use_cpp = cext.takes(q) if fused is None else fused
     if use_cpp and cpp_supports(chunk_size, K, V) and (fused is True or max(K, V) >= CPP_MIN_HEAD):
         return chunk_cpp(q, k, v, g, beta, S, chunk_size, ns)
     return KDAChunkFunction.apply(q, k, v, g, beta, S, chunk_size, ns, use_cpp)
 
 
 def _fusable(*ts: Tensor) -> bool:
-    """Whether the C++ decode ops (csrc/kda_decode.cpp) take these tensors: fp32 on the CPU, ops loaded."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts) and cext.available()
+    """Whether the C++ decode ops (csrc/kda_decode.cpp, fp32 only) take these tensors."""
+    return cext.takes(*ts, fp64=False)
 
 
 def _delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor,
@@ -233,12 +233,6 @@ def _conv_step_(conv_state: Tensor, raw: Tensor, weight: Tensor, fused: bool | N
     y = F.silu((xp * weight.view(C, ks).t().contiguous()).sum(1, keepdim=True))
     conv_state.copy_(xp[:, 1:])
     return y
-
-
-def _conv_fusable(raw: Tensor, weight: Tensor) -> bool:
-    """Whether a cache-free short conv runs as the C++ op (csrc/short_conv.cpp): built, CPU, fp32/fp64, kernel <= 16."""
-    return (raw.device.type == "cpu" and raw.dtype in (torch.float32, torch.float64) and weight.dtype == raw.dtype
-            and weight.shape[-1] <= 16 and cext.available())
 
 
 def _writable(t: Tensor) -> bool:
@@ -342,7 +336,7 @@ class KDAttention(nn.Module):
         """
         T, ks, Ch = raw.shape[1], self.conv_size, raw.shape[-1]
         w = self.conv.weight                                                         # [Ch, 1, ks]
-        if ctx is None and _conv_fusable(raw, w):
+        if ctx is None and ks <= 16 and cext.takes(raw, w):  # the C++ op's kernel limit
             return ShortConvSiLU.apply(raw, w), None
         if ctx is None:
             xp = None

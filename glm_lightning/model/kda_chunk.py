@@ -198,9 +198,10 @@ CPP_CHUNKS = (16, 32, 64)
 
 
 CPP_MIN_HEAD = 32
-"""By default the C++ core runs for head sizes from 32 up: there it is 2.5x the eager core (flash-25m, 6 heads of 32),
-while the study model's heads of 16 in chunks of 16 ran at 0.7-0.8x of it (per-chunk overhead over 16 x 16 blocks),
-so they keep the eager core (with the C++ hand-off). ``fused=True`` asks for the C++ core at any supported size."""
+"""By default the C++ core runs for head sizes from 32 up: there it is 2.5-2.9x the eager core (flash-25m, 6 heads
+of 32), while the study model's heads of 16 in chunks of 16 ran at 0.66-0.91x of it (per-chunk overhead over 16 x 16
+blocks), so they keep the eager core (with the C++ hand-off). ``fused=True`` asks for the C++ core at any supported
+size."""
 
 
 def cpp_supports(C: int, K: int, V: int) -> bool:

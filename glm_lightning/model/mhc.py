@@ -191,7 +191,7 @@ class SiteReadFused(torch.autograd.Function):
     Same math as `HyperConnection.mappings` + `StreamReadFused`, but autograd records one node instead of ~20 (norm,
     projection, addcmuls, alpha gather, sigmoid, slices, Sinkhorn, read), and ``glm_lightning::site_read`` (csrc/
     site_read.cpp) does the norm, the projection, the gates and the read in one pass over the streams (its backward
-    likewise: they were read ~3 times forward and ~10 times backward, most of a site's time). With
+    likewise: counted in the eager code, they were read ~3 times forward and ~10 times backward). With
     z = (x phi^T) * inv_rms and logits = bias + alpha z:
         dlogits = [dgates * scale * sig (1 - sig) | SinkhornBackward(dres)],  dbias = sum dlogits,
         dalpha = segment sums of dlogits * z,  draw = dlogits * alpha * inv_rms,  dphi = draw^T x,
@@ -220,11 +220,6 @@ class SiteReadFused(torch.autograd.Function):
             dh, dpost, dres_logits, x, phi, alpha_e, site._gate_scale, inv_rms, raw, sig, gates)
         dalpha = torch.zeros_like(site.alpha).index_add_(0, site._alpha_index, dalpha_l)
         return dx, dphi, dalpha, dbias, None
-
-
-def _use_cpp(x: torch.Tensor) -> bool:
-    """Whether the C++ stream ops run for x: built, on CPU, and fp32/fp64 (see glm_lightning/model/cext.py)."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and cext.available()
 
 
 class HyperConnection(nn.Module):
@@ -271,7 +266,7 @@ class HyperConnection(nn.Module):
 
     def _fused_read(self, x: torch.Tensor) -> bool:
         """Whether `read` runs as one `SiteReadFused` (C++ ops built, fp32/fp64 on CPU) instead of `mappings` + read."""
-        return _use_cpp(x) and self.phi.dtype == x.dtype
+        return cext.takes(x, self.phi)
 
     def read(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The sub-layer input H_pre x [B,T,C] and the (H_post, H_res) that `write` needs."""
@@ -282,7 +277,7 @@ class HyperConnection(nn.Module):
             h, post, res = SiteReadFused.apply(x.reshape(-1, self.n, self.dim), self.phi, self.alpha, self.bias, self)
             return h.view(*lead, self.dim), (post.view(*lead, self.n), res.view(*lead, self.n, self.n))
         pre, post, res = (m if m.dtype == x.dtype else m.to(x.dtype) for m in self.mappings(x))
-        return (StreamReadFused.apply(pre, x) if _use_cpp(x) else read_streams(pre, x)), (post, res)
+        return (StreamReadFused.apply(pre, x) if cext.takes(x) else read_streams(pre, x)), (post, res)
 
     def write(self, x: torch.Tensor, maps: tuple[torch.Tensor, torch.Tensor] | None, y: torch.Tensor) -> torch.Tensor:
         """x_next = H_res x + H_post^T y, for the sub-layer output y [B,T,C] and `maps` from `read`."""
@@ -290,7 +285,7 @@ class HyperConnection(nn.Module):
         if maps is None:
             return x + y.unsqueeze(-2)
         post, res = maps
-        return (StreamWriteFused if _use_cpp(x) else StreamWrite).apply(res, x, post, y)
+        return (StreamWriteFused if cext.takes(x) else StreamWrite).apply(res, x, post, y)
 
     def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """x_next for the sub-layer F = `sublayer` (read, F, write in one call)."""

@@ -57,9 +57,8 @@ def _sorted_gates(w: Tensor, order: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _fused_swiglu(hgu: Tensor) -> bool:
-    """Whether SwiGLU runs as the C++ ops of csrc/swiglu.cpp for hgu: built, CPU, fp32/fp64, contiguous."""
-    return (hgu.device.type == "cpu" and hgu.dtype in (torch.float32, torch.float64) and hgu.is_contiguous()
-            and cext.available())
+    """Whether SwiGLU runs as the C++ ops of csrc/swiglu.cpp for hgu (contiguous, and see cext.takes)."""
+    return hgu.is_contiguous() and cext.takes(hgu)
 
 
 def _swiglu_act(hgu: Tensor) -> Tensor:
@@ -80,7 +79,8 @@ def _swiglu_act_backward(da: Tensor, hgu: Tensor) -> Tensor:
 
 class _SwiGLU(torch.autograd.Function):
     """The shared expert's activation with :func:`_swiglu_act` / :func:`_swiglu_act_backward` (autograd recorded
-    chunk, SiLU and product, and replayed them as ~6 passes over the [tokens, 2h] projections)."""
+    chunk, SiLU and product, and replayed them as ~6 passes over the [tokens, 2h] projections); without the C++ ops
+    both run their eager forms."""
 
     @staticmethod
     def forward(ctx, hgu: Tensor) -> Tensor:  # type: ignore[override]
@@ -273,11 +273,7 @@ class MoE(nn.Module):
 
     @staticmethod
     def _swiglu(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
-        hgu = linear(x, w_gate_up)
-        if _fused_swiglu(hgu):
-            return linear(_SwiGLU.apply(hgu), w_down)
-        gate, up = hgu.chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, w_down)
+        return linear(_SwiGLU.apply(linear(x, w_gate_up)), w_down)
 
     def _dispatch(self, x: Tensor, idx: Tensor, w: Tensor, counts: list[int], counts_t: Tensor) -> Tensor:
         """Routed output for flat tokens x [N, d] with choices idx [N, K], gates w [N, K], per-expert counts.
@@ -303,8 +299,7 @@ class MoE(nn.Module):
             starts.append(starts[-1] + n)
         shift = torch.tensor([e * cap - s0 for e, s0 in enumerate(starts)], device=x.device)
         slot = torch.arange(flat.numel(), device=x.device) + shift.index_select(0, flat.index_select(0, order))
-        if x.shape[0] <= SMALL_TOKENS and not torch.is_grad_enabled() and x.device.type == "cpu" \
-                and x.dtype == self.w_gate_up.dtype == torch.float32 and cext.available():
+        if x.shape[0] <= SMALL_TOKENS and not torch.is_grad_enabled() and cext.takes(x, self.w_gate_up, fp64=False):
             return _experts_small(x, w, self.w_gate_up, self.w_down, order, token, slot, cap, counts_t)
         return _GroupedExperts.apply(x, w, self.w_gate_up, self.w_down, order, token, slot, cap)
 

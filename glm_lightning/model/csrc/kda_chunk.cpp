@@ -348,20 +348,20 @@ void backward_impl(const at::Tensor& dO, const at::Tensor& dS_last, const at::Te
   });
 }
 
-// Calls fn.template operator()<T, K, V, C>() for the supported sizes (see the header comment).
+// Calls fn.template operator()<T, K, V, C>() for the supported sizes (see the header comment): the head sizes of
+// glm_lightning_ops::with_sizes (which has no generic fallback here), then the chunk size.
 template <typename F>
 void dispatch(at::ScalarType dtype, int64_t K, int64_t V, int64_t C, F&& fn) {
   TORCH_CHECK(K == V && (K == 16 || K == 32 || K == 64), "kda_chunk: K == V in {16, 32, 64} only, got ", K, ", ", V);
   TORCH_CHECK(C == 16 || C == 32 || C == 64, "kda_chunk: chunk size in {16, 32, 64} only, got ", C);
   AT_DISPATCH_FLOATING_TYPES(dtype, "kda_chunk", [&] {
-    auto with_c = [&]<int KK>() {
-      if (C == 16) return fn.template operator()<scalar_t, KK, KK, 16>();
-      if (C == 32) return fn.template operator()<scalar_t, KK, KK, 32>();
-      return fn.template operator()<scalar_t, KK, KK, 64>();
-    };
-    if (K == 16) return with_c.template operator()<16>();
-    if (K == 32) return with_c.template operator()<32>();
-    return with_c.template operator()<64>();
+    glm_lightning_ops::with_sizes(K, V, [&]<int64_t KK, int64_t VV>() {
+      if constexpr (KK > 0) {  // always, after the check above
+        if (C == 16) return fn.template operator()<scalar_t, KK, VV, 16>();
+        if (C == 32) return fn.template operator()<scalar_t, KK, VV, 32>();
+        return fn.template operator()<scalar_t, KK, VV, 64>();
+      }
+    });
   });
 }
 

@@ -10,8 +10,8 @@
 //   small_matmul(x [E, M, in], W [E, out, in], counts [E] int64) -> y [E, M, out]
 //       y[e, m] = W[e] x[e, m] for m < counts[e]; 0 for the padding rows m >= counts[e]
 //
-// Accumulation runs over 16-float vector lanes (GCC vector extension: one AVX-512 register, two AVX2 ones), so the
-// sum order differs from BLAS in the last bits (tests: within 1e-5 of torch.bmm).
+// Accumulation runs over 16-float vector lanes (glm_lightning_ops::Lanes, kernel_helpers.h), so the sum order differs
+// from BLAS in the last bits (tests: within 1e-5 of torch.bmm).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,25 +20,13 @@
 #include <cstring>
 #include <vector>
 
+#include "kernel_helpers.h"
+
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-inline v16 load16(const float* p) {
-  v16 r;
-  std::memcpy(&r, p, sizeof(r));
-  return r;
-}
-
-// The 16 lanes summed as a tree of halves (4 shuffle + add steps instead of 15 dependent scalar adds).
-inline float hsum(v16 v) {
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
+using v16 = glm_lightning_ops::Lanes<float>::Vec;
+constexpr auto load16 = glm_lightning_ops::Lanes<float>::load;
+constexpr auto hsum = glm_lightning_ops::Lanes<float>::sum;
 
 // y[m, n] = <x[m], W[n]> for MB rows of x (from m0) and NB weight rows (from n0); rows `in` floats long. The NB
 // weight vectors are loaded once per 16 columns and multiplied into all MB rows (from L1).
