@@ -4,6 +4,11 @@ The old commit is exported to a temporary directory (`git archive`, nothing is a
 list) and each tree runs in its own long-lived worker process; the two workers take turns, a few steps each, so that
 load changes on a shared machine hit both alike. Reported: the median seconds per step of each and the ratio.
 
+A step is the model's forward, loss, backward and the optimizer step of the tree's training stages
+(glm_lightning/modules/base.py builds glm_lightning.optim.AdamW where the tree has it; 11d912b built torch's default
+AdamW), so the ratio is what a study run feels. `--same-optimizer` gives both trees torch's default AdamW instead,
+which measures the model alone.
+
     python -m benchmarks.bench_vs_commit [--rev 11d912b] [--rounds 6] [--steps 5]
 """
 
@@ -33,7 +38,13 @@ torch.manual_seed(0)
 cfg = GLMConfig.preset("tiny", d_model=48, n_layers=3, n_heads=3, n_kv_heads=3, head_dim=16, max_seq_len=128,
                        expert_hidden=96, shared_expert_hidden=96)
 model = GLMModel(cfg)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+from torch.optim import AdamW
+if sys.argv[2] == "stage":
+    try:  # the tree's training stages' optimizer: glm_lightning.optim.AdamW where it exists (fused, shared counters)
+        from glm_lightning.optim import AdamW
+    except ImportError:  # else torch's default AdamW, which the stages of older trees built
+        pass
+opt = AdamW(model.parameters(), lr=1e-4)
 ids = torch.randint(0, 256, (8, 129), generator=torch.Generator().manual_seed(0))
 def step():
     out = model(ids[:, :-1])
@@ -61,9 +72,9 @@ def export(rev: str, dest: Path) -> None:
         tar.extractall(dest, filter="data")
 
 
-def start(tree: Path, threads: int) -> subprocess.Popen:
+def start(tree: Path, threads: int, optimizer: str = "stage") -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(threads)], cwd=tree, env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(threads), optimizer], cwd=tree, env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     return proc
@@ -77,7 +88,8 @@ def ask(proc: subprocess.Popen, steps: int) -> tuple[float, float]:
     return float(sec), float(rss)
 
 
-def run(quick: bool = False, rev: str = BASE_REV, rounds: int = 6, steps: int = 5) -> dict[str, Any]:
+def run(quick: bool = False, rev: str = BASE_REV, rounds: int = 6, steps: int = 5,
+        same_optimizer: bool = False) -> dict[str, Any]:
     import torch
 
     threads = torch.get_num_threads()
@@ -85,7 +97,8 @@ def run(quick: bool = False, rev: str = BASE_REV, rounds: int = 6, steps: int = 
         rounds, steps = 3, 3
     with tempfile.TemporaryDirectory() as tmp:
         export(rev, Path(tmp))
-        workers = {"new": start(ROOT, threads), rev: start(Path(tmp), threads)}
+        optimizer = "torch" if same_optimizer else "stage"
+        workers = {"new": start(ROOT, threads, optimizer), rev: start(Path(tmp), threads, optimizer)}
         times: dict[str, list[float]] = {k: [] for k in workers}
         rss: dict[str, float] = {}
         try:
@@ -98,12 +111,13 @@ def run(quick: bool = False, rev: str = BASE_REV, rounds: int = 6, steps: int = 
                 proc.stdin.close()
                 proc.wait()
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    res = {"rev": rev, "threads": threads, "rounds": rounds, "steps_per_round": steps,
+    res = {"rev": rev, "threads": threads, "rounds": rounds, "steps_per_round": steps, "optimizer": optimizer,
            "new_steps_per_s": 1 / med["new"], "old_steps_per_s": 1 / med[rev], "speedup": med[rev] / med["new"],
            "peak_rss_mb_new": rss["new"], "peak_rss_mb_old": rss[rev],
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    opt_name = "torch's AdamW in both" if same_optimizer else "each tree's stage optimizer"
     print(f"study model (tiny widened, 8 x 128) training steps/s, {threads} thread(s), {rounds} alternated rounds "
-          f"of {steps} steps")
+          f"of {steps} steps, {opt_name}")
     print(f"{'tree':<10}{'steps/s':>9}{'RSS MB':>8}")
     print(f"{'new':<10}{res['new_steps_per_s']:>9.2f}{rss['new']:>8.0f}")
     print(f"{rev:<10}{res['old_steps_per_s']:>9.2f}{rss[rev]:>8.0f}")
@@ -116,5 +130,6 @@ if __name__ == "__main__":
     p.add_argument("--rev", default=BASE_REV)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--same-optimizer", action="store_true", help="torch's default AdamW in both trees (the model alone)")
     a = p.parse_args()
-    run(rev=a.rev, rounds=a.rounds, steps=a.steps)
+    run(rev=a.rev, rounds=a.rounds, steps=a.steps, same_optimizer=a.same_optimizer)

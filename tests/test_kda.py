@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
-from glm_lightning.model.kda import KDACache, KDAttention, kda_chunked, kda_recurrent
+from glm_lightning.model.kda import KDACache, KDAttention, kda_chunked, kda_core, kda_recurrent
 
 LB = -5.0
 # the chunk hand-off: eager loop (False), the C++ op (True; skipped when GLM_LIGHTNING_EXT=0 or it cannot be built)
@@ -430,6 +430,84 @@ def test_cpp_chunk_core_takes_broadcast_gradients_and_rejects_bad_sizes():
                                                                        g[..., :8], beta, s0[:, :, :8, :8])), 16, 1)
     with pytest.raises(RuntimeError, match="chunk size"):
         torch.ops.glm_lightning.kda_chunk_fwd(*(x.detach() for x in (q, k, v, g, beta, s0)), 8, 1)
+
+
+@CPP
+@pytest.mark.parametrize("K,V,T", [(16, 16, 128), (32, 32, 70), (16, 16, 31), (64, 64, 33), (8, 24, 21), (16, 32, 1)])
+def test_cpp_recurrent_core_equals_the_eager_recurrence(K, V, T):
+    """The C++ recurrence (csrc/kda_recurrent.cpp) against kda_recurrent on the model's head sizes, padded and unequal
+    ones, a tail segment (T not a multiple of SEGMENT) and one token; strided q/k/v views as the layer passes them:
+    values, final state and every gradient (fp32)."""
+    from glm_lightning.model.kda_recurrent_cpp import KDARecurrentCpp
+
+    B, H = 2, 3
+    q, k, v, g, beta, s0 = _inputs(B, T, H, K, V, seed=K + V + T)
+    qk = torch.cat([q, k], dim=2)  # [B, T, 2H, K]: q and k as strided views of one tensor
+    inputs = (qk[:, :, :H], qk[:, :, H:], v, g, beta, s0 * 0.1)
+    o_e, s_e, g_e = _run_with_grads(lambda *xs: kda_recurrent(*xs[:5], initial_state=xs[5]), inputs)
+    calls = []
+    orig = KDARecurrentCpp.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KDARecurrentCpp, "apply", lambda *a: calls.append(1) or orig(*a))
+        o_c, s_c, g_c = _run_with_grads(lambda *xs: kda_core(*xs[:5], 16, xs[5], fused=True), inputs)
+    assert calls, "the C++ recurrence did not run"
+    torch.testing.assert_close(o_c, o_e, rtol=0, atol=2e-6)
+    torch.testing.assert_close(s_c, s_e, rtol=0, atol=2e-6)
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], g_c, g_e):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=3e-5, msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+@CPP
+@pytest.mark.parametrize("K,V", [(16, 16), (16, 32)])
+def test_cpp_recurrent_core_gradcheck_fp64(K, V):
+    """gradcheck of the C++ recurrence itself (fp64 instantiation) over two segments and a tail."""
+    from glm_lightning.model.kda_recurrent_cpp import SEGMENT, KDARecurrentCpp
+
+    xs = [x.requires_grad_() for x in _inputs(1, SEGMENT + 5, 2, K, V, dtype=torch.float64, seed=13)]
+    assert torch.autograd.gradcheck(KDARecurrentCpp.apply, xs, fast_mode=True)
+
+
+@CPP
+def test_cpp_recurrent_core_is_the_layers_default_and_matches_the_chunked_form():
+    """With the ops built the layer runs the C++ recurrence; its output and gradients equal the eager chunked form's
+    (the path without the C++ ops), and a cached prefill takes it too."""
+    from glm_lightning.model.kda_recurrent_cpp import KDARecurrentCpp
+
+    layer = _layer(seed=3)
+    x = torch.randn(2, 37, 32, requires_grad=True)
+    calls = []
+    orig = KDARecurrentCpp.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KDARecurrentCpp, "apply", lambda *a: calls.append(1) or orig(*a))
+        y = layer(x)[0]
+        gx, = torch.autograd.grad(y.square().sum(), x)
+        with torch.no_grad():
+            layer(x[:, :9], cache=KDACache.empty(2, _cfg()))
+    assert len(calls) == 2
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cext, "takes", lambda *a, **kw: False)  # as without the C++ ops
+        y_e = layer(x)[0]
+        gx_e, = torch.autograd.grad(y_e.square().sum(), x)
+    torch.testing.assert_close(y, y_e, rtol=0, atol=2e-6)
+    torch.testing.assert_close(gx, gx_e, rtol=1e-5, atol=1e-5)
+
+
+@CPP
+def test_cpp_recurrent_core_takes_broadcast_gradients_and_rejects_bad_sizes():
+    q, k, v, g, beta, s0 = (x.requires_grad_() for x in _inputs(1, 13, 2, 16, 16, seed=9))
+    o, s = kda_core(q, k, v, g, beta, 16, s0, fused=True)
+    (o.sum() + s.sum()).backward()  # stride-0 gradients
+    ref = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, s0)]
+    o_r, s_r = kda_recurrent(*ref)
+    (o_r.sum() + s_r.sum()).backward()
+    for a, b in zip((q, k, v, g, beta, s0), ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=3e-5)
+    x = [t.detach() for t in (q, k, v, g, beta, s0)]
+    with pytest.raises(RuntimeError, match="K and V in"):
+        torch.ops.glm_lightning.kda_recurrent_fwd(x[0][..., :8], x[1][..., :8], *x[2:3], x[3][..., :8], x[4],
+                                                  x[5][:, :, :8], 32)
+    with pytest.raises(RuntimeError, match="seg must be positive"):
+        torch.ops.glm_lightning.kda_recurrent_fwd(*x, 0)
 
 
 @CPP

@@ -70,10 +70,12 @@ from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.kda_chunk import (CPP_MIN_HEAD, KDAChunkFunction, chunk_cpp, cpp_supports, scan,
                                            scan_backward)
 from glm_lightning.model.kda_fused import GatedHeadNorm, KDAFeatures, ShortConvSiLU
+from glm_lightning.model.kda_recurrent_cpp import recurrent_cpp
+from glm_lightning.model.kda_recurrent_cpp import supports as recurrent_cpp_supports
 from glm_lightning.model.linear import linear
 from glm_lightning.model.norm import RMSNorm
 
-__all__ = ["KDACache", "KDAttention", "StateScan", "kda_chunked", "kda_recurrent"]
+__all__ = ["KDACache", "KDAttention", "StateScan", "kda_chunked", "kda_core", "kda_recurrent"]
 
 
 def _f32(t: Tensor) -> Tensor:
@@ -192,6 +194,33 @@ def kda_chunked(
     if use_cpp and cpp_supports(chunk_size, K, V) and (fused is True or max(K, V) >= CPP_MIN_HEAD):
         return chunk_cpp(q, k, v, g, beta, S, chunk_size, ns)
     return KDAChunkFunction.apply(q, k, v, g, beta, S, chunk_size, ns, use_cpp)
+
+
+def kda_core(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    chunk_size: int = 32,
+    initial_state: Tensor | None = None,
+    *,
+    gate_bound: float | None = None,
+    fused: bool | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The core the layer runs over T tokens (training, prefill): the per-token recurrence as one C++ op per direction
+    (glm_lightning/model/kda_recurrent_cpp.py: fewer FLOPs than the chunked form for heads up to 64 on a CPU) when the
+    C++ ops take the tensors (``fused`` None) or when asked (True); else :func:`kda_chunked` (False, or no C++ ops).
+    Same arguments and results as :func:`kda_chunked` (``chunk_size`` and ``gate_bound`` only serve the chunked form).
+    """
+    K, V = q.shape[-1], v.shape[-1]
+    use_cpp = (cext.takes(q, k, v, g, beta) if fused is None else fused) and q.shape[1] > 0
+    if use_cpp and recurrent_cpp_supports(K, V):
+        B, _, H, _ = q.shape
+        S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(q.dtype)
+        return recurrent_cpp(q, k, v, g, beta, S)
+    return kda_chunked(q, k, v, g, beta, chunk_size, initial_state, gate_bound=gate_bound,
+                       fused=fused)
 
 
 def _fusable(*ts: Tensor) -> bool:
@@ -380,14 +409,14 @@ class KDAttention(nn.Module):
         q, k, v, g, beta, gate, raw = self._features(x, valid, cache, step)
         B, T, H, K = q.shape
         if cache is None:
-            o, _ = kda_chunked(q, k, v, g, beta, self.chunk_size, gate_bound=-self.lower_bound)
+            o, _ = kda_core(q, k, v, g, beta, self.chunk_size, gate_bound=-self.lower_bound)
         elif step:
             o = _delta_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], cache.state).unsqueeze(1)
         else:
             if T == 1:
                 o, S = kda_recurrent(q, k, v, g, beta, initial_state=cache.state)
             else:
-                o, S = kda_chunked(q, k, v, g, beta, self.chunk_size, initial_state=cache.state,
+                o, S = kda_core(q, k, v, g, beta, self.chunk_size, initial_state=cache.state,
                                    gate_bound=-self.lower_bound)
             self._update_cache(cache, raw, S)
         o = GatedHeadNorm.apply(o, _f32(gate), self.o_norm.weight, self.o_norm.eps)  # RMSNorm_head(o) * sigmoid(gate)
