@@ -69,6 +69,7 @@ inline void step(State<T, K, V>& S, const T* k, const T* v, const T* a, T beta, 
   constexpr int NV = State<T, K, V>::NV;
   typename L::Vec acc[4][NV];
   for (int j = 0; j < NV; ++j) acc[0][j] = acc[1][j] = acc[2][j] = acc[3][j] = typename L::Vec{};
+  #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
   for (int d = 0; d < K; ++d)
     for (int j = 0; j < NV; ++j) {
       S.r[d][j] *= a[d];
@@ -78,6 +79,7 @@ inline void step(State<T, K, V>& S, const T* k, const T* v, const T* a, T beta, 
     e[j] = L::load(v + j * kLanes) - ((acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]));
     u[j] = beta * e[j];
   }
+  #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
   for (int d = 0; d < K; ++d)
     for (int j = 0; j < NV; ++j) S.r[d][j] += k[d] * u[j];
 }
@@ -116,6 +118,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         step<T, K, V>(S, kt, vp + bi * sv.b + t * sv.t + h * sv.h, a, bp[bi * sb.b + t * sb.t + h * sb.h], e, u);
         Vec acc[4][NV];  // o = S^T q
         for (int j = 0; j < NV; ++j) acc[0][j] = acc[1][j] = acc[2][j] = acc[3][j] = Vec{};
+        #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
         for (int d = 0; d < K; ++d)
           for (int j = 0; j < NV; ++j) acc[d & 3][j] += qt[d] * S.r[d][j];
         T* ot = op + bi * so.b + t * so.t + h * so.h;
@@ -173,6 +176,7 @@ void backward_impl(const at::Tensor& dO, const at::Tensor& dS_last, const at::Te
           State<T, K, V>& Sp = prev[t - t0];  // S'_t = Diag(a) S_{t-1}, in place
           Vec acc[4][NV];
           for (int j = 0; j < NV; ++j) acc[0][j] = acc[1][j] = acc[2][j] = acc[3][j] = Vec{};
+          #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
           for (int d = 0; d < K; ++d)
             for (int j = 0; j < NV; ++j) {
               Sp.r[d][j] *= a[d];
@@ -193,6 +197,7 @@ void backward_impl(const at::Tensor& dO, const at::Tensor& dS_last, const at::Te
           // pass 1: dS += q do^T; du = dS^T k; dq = S'_t do + k (u . do)
           const int64_t rowk = ((bi * T_ + t) * H + h) * K, rowv = ((bi * T_ + t) * H + h) * V;
           for (int j = 0; j < NV; ++j) acc[0][j] = acc[1][j] = acc[2][j] = acc[3][j] = Vec{};
+          #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
           for (int d = 0; d < K; ++d) {
             Vec p{};
             for (int j = 0; j < NV; ++j) {
@@ -212,6 +217,7 @@ void backward_impl(const at::Tensor& dO, const at::Tensor& dS_last, const at::Te
           }
           dbp[(bi * T_ + t) * H + h] = L::sum(pb);
           // pass 2: dk = dS u - S' de; dS' = dS - k de^T; dg = rowsum(dS' * S'); dS_{t-1} = Diag(a) dS'
+          #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
           for (int d = 0; d < K; ++d) {
             Vec pk{}, pg{};
             for (int j = 0; j < NV; ++j) {
