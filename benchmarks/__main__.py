@@ -48,7 +48,7 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
         k = results["kda"]
         rows.append(("KDA core", ", ".join(f"{n} {k[n]['eager_ms']:.1f} -> {k[n]['cpp_ms']:.1f} ms "
                                             f"({k[n]['speedup']:.2f}x)" for n in ("flash-25m", "study"))
-                     + f", RSS {k['peak_rss_mb']:.0f} MB", "C++ >= eager where used (heads >= 32)"))
+                     + f", RSS {k['peak_rss_mb']:.0f} MB", "C++ recurrence >= eager chunked"))
     if "train" in results:
         t = results["train"]
         for name in ("hybrid flash-25m", "dense baseline"):

@@ -1,6 +1,7 @@
-"""KDA's chunked core, forward + backward, eager (kda_chunk.KDAChunkFunction with the C++ hand-off) vs the C++ core
-(csrc/kda_chunk.cpp), alternated in one process at the shapes of a flash-25m training step (32 x 128, 6 heads of 32,
-chunks of 32) and of the study model (8 x 128, 3 heads of 16, chunks of 16).
+"""KDA's core, forward + backward: the chunked form as it runs without the C++ ops (kda_chunk.KDAChunkFunction, eager)
+vs the C++ per-token recurrence the layer runs with them (kda.kda_core, csrc/kda_recurrent.cpp), alternated in one
+process at the shapes of a flash-25m training step (32 x 128, 6 heads of 32, chunks of 32) and of the study model
+(8 x 128, 3 heads of 16, chunks of 16).
 
     python -m benchmarks.bench_kda [--rounds 7]
 """
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from glm_lightning.model import cext
-from glm_lightning.model.kda import kda_chunked
+from glm_lightning.model.kda import kda_chunked, kda_core
 
 SHAPES = {"flash-25m": (32, 128, 6, 32, 32), "study": (8, 128, 3, 16, 16)}
 """name -> (B, T, H, K = V, chunk size) as the model runs them (the safe gate's bound 5)."""
@@ -33,9 +34,10 @@ def _inputs(B: int, T: int, H: int, K: int) -> list[torch.Tensor]:
     return [x.requires_grad_() for x in (q, k, v, g, beta, s0)]
 
 
-def _step(xs: list[torch.Tensor], chunk: int, fused: bool) -> float:
+def _step(xs: list[torch.Tensor], chunk: int, cpp: bool) -> float:
     t = time.perf_counter()
-    o, s = kda_chunked(*xs[:5], chunk, xs[5], gate_bound=5.0, fused=fused)
+    core = kda_core if cpp else kda_chunked
+    o, s = core(*xs[:5], chunk, xs[5], gate_bound=5.0, fused=cpp)
     torch.autograd.grad(o.sum() + s.sum(), xs)
     return time.perf_counter() - t
 
@@ -46,7 +48,7 @@ def run(quick: bool = False, rounds: int = 7) -> dict[str, Any]:
         return {"available": False}
     rounds = 3 if quick else rounds
     res: dict[str, Any] = {"available": True, "rounds": rounds}
-    print(f"KDA chunked core fwd+bwd per layer, eager vs C++, best of {rounds} alternated rounds, "
+    print(f"KDA core fwd+bwd per layer, eager chunked vs C++ recurrence, best of {rounds} alternated rounds, "
           f"{torch.get_num_threads()} thr")
     print(f"{'shape':<12}{'eager ms':>10}{'C++ ms':>10}{'ratio':>8}")
     for name, shape in SHAPES.items():
@@ -54,7 +56,7 @@ def run(quick: bool = False, rounds: int = 7) -> dict[str, Any]:
         times: dict[str, list[float]] = {"eager": [], "cpp": []}
         for _ in range(rounds):
             for mode in times:
-                times[mode].append(_step(xs, shape[4], fused=mode == "cpp"))
+                times[mode].append(_step(xs, shape[4], cpp=mode == "cpp"))
         best = {m: min(t) for m, t in times.items()}
         res[name] = {"eager_ms": best["eager"] * 1e3, "cpp_ms": best["cpp"] * 1e3,
                      "speedup": best["eager"] / best["cpp"]}

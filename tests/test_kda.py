@@ -381,58 +381,6 @@ CPP = pytest.mark.skipif(not cext.available(), reason="C++ ops not available")
 
 
 @CPP
-@pytest.mark.parametrize("K,chunk,T", [(16, 32, 128), (32, 32, 70), (16, 16, 37), (32, 64, 100), (8, 16, 21)])
-def test_cpp_chunk_core_equals_the_eager_core(K, chunk, T):
-    """The C++ core (csrc/kda_chunk.cpp) against the eager core of kda_chunk.py on the model's head sizes (and a
-    padded one), strided q/k/v views as the layer passes them, a tail chunk: values, final state and every gradient."""
-    from glm_lightning.model.kda_chunk import KDAChunkCpp
-
-    B, H = 2, 3
-    q, k, v, g, beta, s0 = _inputs(B, T, H, K, K, seed=K + T)
-    qkv = torch.cat([q, k, v], dim=2)  # [B, T, 3H, K]: q, k, v as strided views of one tensor
-    inputs = (qkv[:, :, :H], qkv[:, :, H:2 * H], qkv[:, :, 2 * H:], g, beta, s0 * 0.1)
-    o_e, s_e, g_e = _run_with_grads(lambda *xs: kda_chunked(*xs[:5], chunk, xs[5], gate_bound=5.0, fused=False),
-                                    inputs)
-    calls = []
-    orig = KDAChunkCpp.apply
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(KDAChunkCpp, "apply", lambda *a: calls.append(1) or orig(*a))
-        o_c, s_c, g_c = _run_with_grads(lambda *xs: kda_chunked(*xs[:5], chunk, xs[5], gate_bound=5.0, fused=True),
-                                        inputs)
-    assert calls, "the C++ core did not run"
-    torch.testing.assert_close(o_c, o_e, rtol=0, atol=2e-6)
-    torch.testing.assert_close(s_c, s_e, rtol=0, atol=2e-6)
-    for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], g_c, g_e):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=3e-5, msg=lambda m, name=name: f"grad {name}: {m}")
-
-
-@CPP
-def test_cpp_chunk_core_gradcheck_fp64():
-    """gradcheck of the C++ core itself (fp64 instantiation), two row blocks per chunk and a tail chunk."""
-    from glm_lightning.model.kda_chunk import KDAChunkCpp
-
-    xs = [x.requires_grad_() for x in _inputs(1, 21, 1, 16, 16, dtype=torch.float64, seed=12)]
-    assert torch.autograd.gradcheck(lambda *a: KDAChunkCpp.apply(*a, 16, 2), xs, fast_mode=True)
-
-
-@CPP
-def test_cpp_chunk_core_takes_broadcast_gradients_and_rejects_bad_sizes():
-    q, k, v, g, beta, s0 = (x.requires_grad_() for x in _inputs(1, 13, 2, 16, 16, seed=9))
-    o, s = kda_chunked(q, k, v, g, beta, 16, s0, fused=True)
-    (o.sum() + s.sum()).backward()  # stride-0 gradients
-    ref = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, s0)]
-    o_r, s_r = kda_recurrent(*ref)
-    (o_r.sum() + s_r.sum()).backward()
-    for a, b in zip((q, k, v, g, beta, s0), ref):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=3e-5)
-    with pytest.raises(RuntimeError, match="K == V"):
-        torch.ops.glm_lightning.kda_chunk_fwd(*(x.detach() for x in (q[..., :8], k[..., :8], v[..., :8],
-                                                                       g[..., :8], beta, s0[:, :, :8, :8])), 16, 1)
-    with pytest.raises(RuntimeError, match="chunk size"):
-        torch.ops.glm_lightning.kda_chunk_fwd(*(x.detach() for x in (q, k, v, g, beta, s0)), 8, 1)
-
-
-@CPP
 @pytest.mark.parametrize("K,V,T", [(16, 16, 128), (32, 32, 70), (16, 16, 31), (64, 64, 33), (8, 24, 21), (16, 32, 1)])
 def test_cpp_recurrent_core_equals_the_eager_recurrence(K, V, T):
     """The C++ recurrence (csrc/kda_recurrent.cpp) against kda_recurrent on the model's head sizes, padded and unequal

@@ -5,9 +5,10 @@ Why: the study model is bound by dispatch overhead (~15 us per ATen op). As eage
 issues ~270 ops (20 iterations), its stream read/write ~70 and the KDA chunk hand-off ~10 per chunk; as C++ ops each
 is one op forward and one backward. Decoding adds two kinds that stream memory once instead of several times: the KDA
 decode step (short conv and delta rule, in place on the cache) and x @ W^T for experts with a few tokens (BLAS
-repacks the whole weight per call). Training adds two that keep a whole computation in cache instead of writing ~20
-intermediate tensors: KDA's chunked core (each chunk's matrices in L1, csrc/kda_chunk.cpp) and an mHC site's read
-(norm, projection, gates and read in one pass over the streams, csrc/site_read.cpp); KDA's short conv + SiLU and the
+repacks the whole weight per call). Training adds two that keep a whole computation in cache instead of writing many
+intermediate tensors: KDA's core as the per-token recurrence (each head's state in registers, csrc/kda_recurrent.cpp)
+and an mHC site's read (norm, projection, gates and read in one pass over the streams, csrc/site_read.cpp); KDA's
+short conv + SiLU and the
 experts' SwiGLU are one pass each way too (csrc/short_conv.cpp, csrc/swiglu.cpp). No ninja and no pybind: one g++
 call on one translation unit that includes every source, with torch's headers, registering the ops through
 TORCH_LIBRARY (schema `glm_lightning::...`).
@@ -38,8 +39,8 @@ import torch
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp", "state_scan.cpp", "streams.cpp",
                                                                 "kda_decode.cpp", "small_matmul.cpp",
-                                                                "kda_chunk.cpp", "site_read.cpp",
-                                                                "short_conv.cpp", "swiglu.cpp", "kda_recurrent.cpp"))
+                                                                "kda_recurrent.cpp", "site_read.cpp",
+                                                                "short_conv.cpp", "swiglu.cpp"))
 HEADERS = (Path(__file__).parent / "csrc" / "kernel_helpers.h",)
 """Included by the sources: hashed with them, so that a change rebuilds the library."""
 BUILD_TIMEOUT_S = 600

@@ -43,15 +43,17 @@ its real positions as the unpadded row. (A pad in the middle of a row is an iden
 still occupies a slot of the short conv's window, identically in the prefill and decode paths.)
 
 Decoding keeps a :class:`KDACache`: the last ``ks - 1`` raw (pre-conv) projections and the fp32 state. A prefill with
-``T > 1`` runs the chunked form from the cached state; ``T == 1`` runs a single recurrent step (written into the cache
-in place when autograd is off).
+``T > 1`` runs the core (:func:`kda_core`) from the cached state; ``T == 1`` runs a single recurrent step (written
+into the cache in place when autograd is off).
 
 CPU notes: q|k|v come from one fused matmul; the short conv + SiLU is one C++ op per direction when the ops are built
 (csrc/short_conv.cpp), else a depthwise ``conv2d`` on the channels-last view of the ``[B, T, 3HK]`` projections (no
-transposes); q and k are normalised in one pass; the chunked core runs as one C++ op
-per direction when the ops are built (csrc/kda_chunk.cpp, every chunk's matrices in L1); its eager form works on
-contiguous chunk-major ``[N, B, H, C, D]`` tensors, forms ``L^-1`` once and gets ``P``, ``R``, ``Aqk U`` and
-``Aqk W`` from two matmuls.
+transposes); q and k are normalised in one pass. With the C++ ops built, training and prefill run the core as the
+per-token recurrence, one C++ op per direction (:func:`kda_core`, glm_lightning/model/kda_recurrent_cpp.py): for
+heads up to 64 it does fewer FLOPs than the chunked form, which pays extra [C, C] products for matmul-shaped work a
+CPU does not need (study model core 1.9 -> 0.34 ms, fwd + bwd). Without them the chunked form runs (eager, on
+contiguous chunk-major ``[N, B, H, C, D]`` tensors: ``L^-1`` formed once, ``P``, ``R``, ``Aqk U`` and ``Aqk W`` from
+two matmuls).
 
 State and gate math are fp32 (fp64 inputs to the pure functions stay fp64, for gradcheck-style tests).
 """
@@ -67,8 +69,7 @@ from torch import Tensor, nn
 
 from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
-from glm_lightning.model.kda_chunk import (CPP_MIN_HEAD, KDAChunkFunction, chunk_cpp, cpp_supports, scan,
-                                           scan_backward)
+from glm_lightning.model.kda_chunk import KDAChunkFunction, scan, scan_backward
 from glm_lightning.model.kda_fused import GatedHeadNorm, KDAFeatures, ShortConvSiLU
 from glm_lightning.model.kda_recurrent_cpp import recurrent_cpp
 from glm_lightning.model.kda_recurrent_cpp import supports as recurrent_cpp_supports
@@ -170,9 +171,8 @@ def kda_chunked(
     Same shapes and return values as :func:`kda_recurrent`. T is padded to a multiple of ``chunk_size`` with identity
     steps. ``gate_bound`` is an upper bound of ``|g|`` (the safe gate's ``|lb|``); it sets the row blocks of the
     factorised exp so that fp32 cannot overflow. If None it is read from the data (``max(-g)``). ``fused`` picks the
-    C++ ops (True: the whole core as one op per direction when :func:`~glm_lightning.model.kda_chunk.cpp_supports`
-    the sizes, else the eager core with the C++ chunk hand-off), the eager core (False), or the C++ ops when they are
-    built (None; the whole-core op then only for heads of at least ``CPP_MIN_HEAD``, where it is faster).
+    chunk hand-off: the C++ op (True), the eager loop (False), or the C++ op when it is built (None). The layer runs
+    :func:`kda_core`, which prefers the C++ recurrence.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -191,8 +191,6 @@ def kda_chunked(
         gate_bound = float(-g.detach().min().clamp(max=0.0))
     ns = _n_row_blocks(chunk_size, abs(gate_bound))
     use_cpp = cext.takes(q) if fused is None else fused
-    if use_cpp and cpp_supports(chunk_size, K, V) and (fused is True or max(K, V) >= CPP_MIN_HEAD):
-        return chunk_cpp(q, k, v, g, beta, S, chunk_size, ns)
     return KDAChunkFunction.apply(q, k, v, g, beta, S, chunk_size, ns, use_cpp)
 
 

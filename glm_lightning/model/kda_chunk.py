@@ -16,10 +16,10 @@ dP = dS_{n+1} S_n^T; dOQ = [dO | -dQ_eff]: dAqk = dOQ UW^T, dUW = Aqk^T dOQ + (K
 dB = L^-T dUW, dL = -dB UW^T (strictly lower), dM = beta dL, dbeta = rowsum(dL M) + rowsum(dB [V | Gam K]);
 then the factor products (d kr = dM kcol, d kcol = dM^T kr + dAqk^T qr, ...) and dg = reverse cumsum of dG.
 
-With the C++ ops built, :func:`chunk_cpp` runs the same math as one op per direction (csrc/kda_chunk.cpp): each
-(row, head) walks its chunks with every chunk-local matrix in L1, and the backward recomputes a chunk's forward
-values instead of saving ~20 chunk-major tensors. flash-25m at 32 x 128, one layer's core forward + backward:
-36.9 -> 14.1 ms at 2 threads (``python -m benchmarks --only kda``); for small heads see :data:`CPP_MIN_HEAD`.
+With the C++ ops built the layer runs the per-token recurrence instead (glm_lightning/model/kda_recurrent_cpp.py:
+fewer FLOPs for heads up to 64 on a CPU); this eager form is what runs without them, and the chunked algorithm's
+reference. (A C++ form of this core, csrc/kda_chunk.cpp, was removed when the C++ recurrence beat it at every size it
+covered: study 5.2 vs 0.76 ms, flash-25m 23.0 vs 20.9 ms, heads of 64 11.3 vs 9.9 ms, fwd + bwd at 2 threads.)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["CPP_MIN_HEAD", "KDAChunkCpp", "KDAChunkFunction", "chunk_cpp", "cpp_supports", "scan", "scan_backward"]
+__all__ = ["KDAChunkFunction", "scan", "scan_backward"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -192,54 +192,3 @@ class KDAChunkFunction(torch.autograd.Function):
         grads = (_from_chunks(t, B, H, T) for t in (dq, dk, dv, dg, dbeta))
         dq, dk, dv, dg, dbeta = grads
         return dq, dk, dv, dg, dbeta.squeeze(-1), g_all[0].view(B, H, K, V), None, None, None
-
-
-CPP_CHUNKS = (16, 32, 64)
-"""Chunk sizes the C++ core is compiled for (head sizes: K and V up to 64, zero-padded to 16, 32 or 64)."""
-
-
-CPP_MIN_HEAD = 32
-"""By default the C++ core runs for head sizes from 32 up: there it is 2.5-2.9x the eager core (flash-25m, 6 heads
-of 32), while the study model's heads of 16 in chunks of 16 ran at 0.66-0.91x of it (per-chunk overhead over 16 x 16
-blocks), so they keep the eager core (with the C++ hand-off). ``fused=True`` asks for the C++ core at any supported
-size."""
-
-
-def cpp_supports(C: int, K: int, V: int) -> bool:
-    """Whether :func:`chunk_cpp` takes chunk size C and head sizes K, V."""
-    return C in CPP_CHUNKS and max(K, V) <= 64
-
-
-class KDAChunkCpp(torch.autograd.Function):
-    """:class:`KDAChunkFunction` as the C++ ops ``kda_chunk_fwd`` / ``kda_chunk_bwd``: (q, k, v, g, beta [B, T, H(, K)],
-    S0 [B, H, K, V], chunk, row blocks) -> (o, final state), K == V in (16, 32, 64). The forward saves only its inputs
-    and the chunk-start states; the backward recomputes each chunk's forward values while it walks back."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor,  # type: ignore[override]
-                C: int, ns: int) -> tuple[Tensor, Tensor]:
-        o, S_all = torch.ops.glm_lightning.kda_chunk_fwd(q, k, v, g, beta, S0, C, ns)
-        ctx.save_for_backward(q, k, v, g, beta, S_all)
-        ctx.dims = (C, ns)
-        return o, S_all[:, -1].reshape(S0.shape).clone()
-
-    @staticmethod
-    def backward(ctx, dO: Tensor, dS_last: Tensor):  # type: ignore[override]
-        q, k, v, g, beta, S_all = ctx.saved_tensors
-        grads = torch.ops.glm_lightning.kda_chunk_bwd(dO, dS_last, q, k, v, g, beta, S_all, *ctx.dims)
-        return (*grads, None, None)
-
-
-def chunk_cpp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor, C: int,
-              ns: int) -> tuple[Tensor, Tensor]:
-    """The chunked core through :class:`KDAChunkCpp` (see :func:`cpp_supports`). Head sizes other than K == V in
-    (16, 32, 64) are zero-padded to the next one: extra key channels with q = k = g = 0 never touch the state or the
-    output, extra value channels are dropped."""
-    K, V = q.shape[-1], v.shape[-1]
-    P = next(n for n in (16, 32, 64) if n >= max(K, V))
-    if P != K or P != V:
-        q, k, g = (F.pad(x, (0, P - K)) for x in (q, k, g))
-        v, S0 = F.pad(v, (0, P - V)), F.pad(S0, (0, P - V, 0, P - K))
-    q, k, v, g = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g))
-    o, S = KDAChunkCpp.apply(q, k, v, g, beta, S0, C, ns)
-    return (o, S) if P == K == V else (o[..., :V], S[:, :, :K, :V])

@@ -5,8 +5,10 @@ Why the recurrence and not the chunked (WY / UT) form: for heads of up to 64 cha
 multiply-adds per token (decay, S^T k, rank-1 update, S^T q) against ~8 K V for the chunked form at C = 32, and the
 B * H independent sequences already keep the cores busy. The chunked form buys matmul-shaped work for GPU tensor cores;
 a CPU core gains nothing from it, while a head's [K, V] state fits in its vector registers (K = V = 16) or L1.
-Measured (core forward + backward, 2 threads, the same inputs): study model (8 x 128, 3 heads of 16) 1.9 -> 0.34 ms
-against the eager chunked core; flash-25m (32 x 128, 6 heads of 32) 17.0 -> 12.2 ms against the C++ chunked core.
+Measured (core forward + backward, 2 threads, the same inputs, one run): against the eager chunked core, study model
+(8 x 128, 3 heads of 16) 2.5 -> 0.6 ms, flash-25m (32 x 128, 6 heads of 32) 39.0 -> 12.2 ms (`python -m benchmarks
+--only kda`); against the C++ chunked core it replaced (csrc/kda_chunk.cpp, removed), 5.2 -> 0.76, 23.0 -> 20.9 and,
+for heads of 64, 11.3 -> 9.9 ms.
 
 The forward saves the state every :data:`SEGMENT` tokens; the backward recomputes a segment's states from its
 checkpoint and walks it back (the formulas are in the C++ file). The chunked form (glm_lightning/model/kda.py,
