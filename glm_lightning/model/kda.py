@@ -51,9 +51,9 @@ CPU notes: q|k|v come from one fused matmul; the short conv + SiLU is one C++ op
 transposes); q and k are normalised in one pass. With the C++ ops built, training and prefill run the core as the
 per-token recurrence, one C++ op per direction (:func:`kda_core`, glm_lightning/model/kda_recurrent_cpp.py): for
 heads up to 64 it does fewer FLOPs than the chunked form, which pays extra [C, C] products for matmul-shaped work a
-CPU does not need (study model core 1.9 -> 0.34 ms, fwd + bwd). Without them the chunked form runs (eager, on
-contiguous chunk-major ``[N, B, H, C, D]`` tensors: ``L^-1`` formed once, ``P``, ``R``, ``Aqk U`` and ``Aqk W`` from
-two matmuls).
+CPU does not need (`python -m benchmarks --only kda`, fwd + bwd at 2 threads: study model 1.9 -> 0.4 ms, flash-25m
+44 -> 12 ms). Without them the chunked form runs (eager, on contiguous chunk-major ``[N, B, H, C, D]`` tensors:
+``L^-1`` formed once, ``P``, ``R``, ``Aqk U`` and ``Aqk W`` from two matmuls).
 
 State and gate math are fp32 (fp64 inputs to the pure functions stay fp64, for gradcheck-style tests).
 """
@@ -217,8 +217,7 @@ def kda_core(
         B, _, H, _ = q.shape
         S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(q.dtype)
         return recurrent_cpp(q, k, v, g, beta, S)
-    return kda_chunked(q, k, v, g, beta, chunk_size, initial_state, gate_bound=gate_bound,
-                       fused=fused)
+    return kda_chunked(q, k, v, g, beta, chunk_size, initial_state, gate_bound=gate_bound, fused=fused)
 
 
 def _fusable(*ts: Tensor) -> bool:
@@ -415,7 +414,7 @@ class KDAttention(nn.Module):
                 o, S = kda_recurrent(q, k, v, g, beta, initial_state=cache.state)
             else:
                 o, S = kda_core(q, k, v, g, beta, self.chunk_size, initial_state=cache.state,
-                                   gate_bound=-self.lower_bound)
+                                gate_bound=-self.lower_bound)
             self._update_cache(cache, raw, S)
         o = GatedHeadNorm.apply(o, _f32(gate), self.o_norm.weight, self.o_norm.eps)  # RMSNorm_head(o) * sigmoid(gate)
         return linear(o if o.dtype == x.dtype else o.to(x.dtype), self.o_proj.weight), self._no_aux
