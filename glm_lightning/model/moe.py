@@ -51,7 +51,7 @@ def _padded_batch(x: Tensor, token: Tensor, slot: Tensor, E: int, cap: int) -> T
 
 def _sorted_gates(w: Tensor, order: Tensor, dtype: torch.dtype) -> Tensor:
     """The gate weights w [N, K] in the experts' sorted assignment order, as a column [N*K, 1] of the activations'
-    dtype (shared by the three expert paths)."""
+    dtype (the segment and small-load paths; the grouped path reads them in token order)."""
     gates = w.reshape(-1).index_select(0, order)
     return (gates if gates.dtype == dtype else gates.to(dtype)).unsqueeze(-1)
 
@@ -92,37 +92,65 @@ class _SwiGLU(torch.autograd.Function):
         return _swiglu_act_backward(da, ctx.saved_tensors[0])
 
 
+def _rows_scatter(src: Tensor, slot: Tensor, K: int, scale: Tensor | None, rows: int) -> Tensor:
+    """[rows, d] zeros with row slot[f] = scale[f] * src[f // K] (slot, scale [N * K] in token order): one pass with the
+    C++ ops (csrc/moe_rows.cpp), else repeat_interleave, product and index_copy_."""
+    if cext.takes(src, *(() if scale is None else (scale,))):
+        return torch.ops.glm_lightning.rows_scatter(src.contiguous(), slot, K, scale, rows)
+    rep = src.repeat_interleave(K, dim=0)
+    return src.new_zeros(rows, src.shape[-1]).index_copy_(0, slot, rep if scale is None else rep * scale[:, None])
+
+
+def _rows_gather_sum(src: Tensor, slot: Tensor, K: int, weight: Tensor | None) -> Tensor:
+    """[N, d] with row n = sum_k weight[n K + k] * src[slot[n K + k]], k in order: one pass with the C++ ops, else
+    index_select, product and sum."""
+    if cext.takes(src, *(() if weight is None else (weight,))):
+        return torch.ops.glm_lightning.rows_gather_sum(src.contiguous(), slot, K, weight)
+    rows = src.index_select(0, slot).view(-1, K, src.shape[-1])
+    return (rows if weight is None else rows * weight.view(-1, K, 1)).sum(1)
+
+
+def _rows_dot(a: Tensor, b: Tensor, slot: Tensor, K: int) -> Tensor:
+    """[N * K] with entry f = <a[f // K], b[slot[f]]>: one pass with the C++ ops, else gather, product and sum."""
+    if cext.takes(a, b):
+        return torch.ops.glm_lightning.rows_dot(a.contiguous(), b.contiguous(), slot, K)
+    return (a.repeat_interleave(K, dim=0) * b.index_select(0, slot)).sum(-1)
+
+
 class _GroupedExperts(torch.autograd.Function):
     """The routed experts as one grouped GEMM over sorted tokens, with a hand-written backward.
 
-    x [N, d], gates w [N, K], the sort ``order`` of the N*K assignments, their ``token`` and padded ``slot``
-    (expert e's j-th assignment at e * cap + j) -> y [N, d] = sum_k w_k E_{idx_k}(x). Forward: gather into the
-    zero-padded [E, cap, d] batch, two bmm, scatter back with index_add. Backward, with a = SiLU(gate) * up:
+    x [N, d], gates w [N, K] and ``slot`` [N * K]: the padded row of token n's k-th choice (expert e's j-th assignment
+    at e * cap + j), in token order -> y [N, d] = sum_k w_k E_{idx_k}(x). Forward: scatter into the zero-padded
+    [E, cap, d] batch, two bmm, the gated sum of each token's rows. Backward, with a = SiLU(gate) * up:
     dgates = <dy_token, y_slot>, dys = gates * dy_token, dW_down = dys^T a, da = dys W_down,
-    d[gate | up] = [silu'(gate) up da | SiLU(gate) da], dW_gate_up = d[gate | up]^T xs, dx = index_add(d[..] W_gate_up).
-    Autograd recorded ~20 nodes here (index ops, views, bmm, chunk), replayed as ~80 ops; this is ~25.
+    d[gate | up] = [silu'(gate) up da | SiLU(gate) da], dW_gate_up = d[gate | up]^T xs, dx = sum over the token's rows
+    of d[..] W_gate_up. The row moves are one C++ pass each when the ops are built (:func:`_rows_scatter`,
+    :func:`_rows_gather_sum`, :func:`_rows_dot`). Autograd recorded ~20 nodes here (index ops, views, bmm, chunk),
+    replayed as ~80 ops; this is ~15.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor,  # type: ignore[override]
-                order: Tensor, token: Tensor, slot: Tensor, cap: int) -> Tensor:
-        xs = _padded_batch(x, token, slot, w_gate_up.shape[0], cap)
+                slot: Tensor, cap: int) -> Tensor:
+        E, K, d = w_gate_up.shape[0], w.shape[-1], x.shape[-1]
+        xs = _rows_scatter(x, slot, K, None, E * cap).view(E, cap, d)
         hgu = torch.bmm(xs, w_gate_up.transpose(1, 2))                               # [E, cap, 2h]
         a = _swiglu_act(hgu)
-        y_sorted = torch.bmm(a, w_down.transpose(1, 2)).view(-1, x.shape[-1]).index_select(0, slot)
-        gates = _sorted_gates(w, order, x.dtype)
-        ctx.save_for_backward(xs, hgu, a, y_sorted, gates, w_gate_up, w_down, order, token, slot)
+        y_pad = torch.bmm(a, w_down.transpose(1, 2)).view(E * cap, d)
+        gates = (w if w.dtype == x.dtype else w.to(x.dtype)).reshape(-1)
+        ctx.save_for_backward(xs, hgu, a, y_pad, gates, w_gate_up, w_down, slot)
         ctx.w_shape, ctx.w_dtype = w.shape, w.dtype
-        return torch.zeros_like(x).index_add_(0, token, y_sorted * gates)
+        return _rows_gather_sum(y_pad, slot, K, gates)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # type: ignore[override]
-        xs, hgu, a, y_sorted, gates, w_gate_up, w_down, order, token, slot = ctx.saved_tensors
+        xs, hgu, a, y_pad, gates, w_gate_up, w_down, slot = ctx.saved_tensors
         E, cap, d = xs.shape
-        dy_sorted = dy.index_select(0, token)                                         # [A, d]
-        dgates = (dy_sorted * y_sorted).sum(-1)
-        dw = dgates.new_zeros(ctx.w_shape.numel()).index_copy_(0, order, dgates).view(ctx.w_shape)
-        dys = dy.new_zeros(E * cap, d).index_copy_(0, slot, dy_sorted.mul_(gates)).view(E, cap, d)
+        K = ctx.w_shape[-1]
+        dy = dy.contiguous()
+        dw = _rows_dot(dy, y_pad, slot, K).view(ctx.w_shape)
+        dys = _rows_scatter(dy, slot, K, gates, E * cap).view(E, cap, d)
         need = ctx.needs_input_grad
         dw_down = torch.bmm(dys.transpose(1, 2), a) if need[3] else None             # [E, d, h]
         da = torch.bmm(dys, w_down)                                                   # [E, cap, h]
@@ -130,10 +158,8 @@ class _GroupedExperts(torch.autograd.Function):
         dw_gate_up = torch.bmm(dhgu.transpose(1, 2), xs) if need[2] else None        # [E, 2h, d]
         dx = None
         if need[0]:
-            dxs = torch.bmm(dhgu, w_gate_up).view(E * cap, d)
-            dx = torch.zeros_like(dy).index_add_(0, token, dxs.index_select(0, slot))
-        return (dx, dw if dw.dtype == ctx.w_dtype else dw.to(ctx.w_dtype), dw_gate_up, dw_down,
-                None, None, None, None)
+            dx = _rows_gather_sum(torch.bmm(dhgu, w_gate_up).view(E * cap, d), slot, K, None)
+        return dx, dw if dw.dtype == ctx.w_dtype else dw.to(ctx.w_dtype), dw_gate_up, dw_down, None, None
 
 
 class _SegmentExperts(torch.autograd.Function):
@@ -301,7 +327,8 @@ class MoE(nn.Module):
         slot = torch.arange(flat.numel(), device=x.device) + shift.index_select(0, flat.index_select(0, order))
         if x.shape[0] <= SMALL_TOKENS and not torch.is_grad_enabled() and cext.takes(x, self.w_gate_up, fp64=False):
             return _experts_small(x, w, self.w_gate_up, self.w_down, order, token, slot, cap, counts_t)
-        return _GroupedExperts.apply(x, w, self.w_gate_up, self.w_down, order, token, slot, cap)
+        slot_by_token = torch.empty_like(slot).index_copy_(0, order, slot)  # token n's k-th choice at n * K + k
+        return _GroupedExperts.apply(x, w, self.w_gate_up, self.w_down, slot_by_token, cap)
 
     def _balance_loss(self, s: Tensor, idx: Tensor) -> Tensor:
         """Sequence-wise balance loss from scores s [B, T, E] and choices idx [B, T, K]."""
