@@ -243,6 +243,14 @@ def test_parameter_count(shared):
         + 3 * full.d_model * full.shared_expert_hidden)
 
 
+def out_and_grads(m: MoE, x: torch.Tensor, proj: torch.Tensor, monkeypatch, use_cpp: bool):
+    """The layer's output and every gradient with the C++ ops on or off (cext.available patched)."""
+    import glm_lightning.model.cext as cext
+    monkeypatch.setattr(cext, "available", lambda: use_cpp)
+    y, aux = m(x)
+    return y.detach(), grads(m, x, (y * proj).sum() + aux)
+
+
 needs_cext = pytest.mark.skipif(not __import__("glm_lightning.model.cext", fromlist=["available"]).available(),
                                 reason="C++ ops not available")
 
@@ -367,13 +375,7 @@ def test_cpp_swiglu_equals_the_eager_activation(shared, monkeypatch):
     m = make(seed=6, shared_expert_hidden=shared)
     x = torch.randn(2, 9, 16, requires_grad=True)
     proj = torch.randn(2, 9, 16)
-
-    def run(use_cpp: bool):
-        monkeypatch.setattr(cext, "available", lambda: use_cpp)
-        y, aux = m(x)
-        return y.detach(), grads(m, x, (y * proj).sum() + aux)
-
-    (y_c, g_c), (y_e, g_e) = run(True), run(False)
+    (y_c, g_c), (y_e, g_e) = (out_and_grads(m, x, proj, monkeypatch, use_cpp) for use_cpp in (True, False))
     torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
     for a, b in zip(g_c, g_e):
         assert (a is None) == (b is None)
@@ -404,13 +406,7 @@ def test_cpp_row_moves_equal_the_eager_forms(shared, monkeypatch):
     m.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, -5.0]))  # expert 3 never chosen
     x = torch.randn(2, 9, 16, requires_grad=True)
     proj = torch.randn(2, 9, 16)
-
-    def run(use_cpp: bool):
-        monkeypatch.setattr(cext, "available", lambda: use_cpp)
-        y, aux = m(x)
-        return y.detach(), grads(m, x, (y * proj).sum() + aux)
-
-    (y_c, g_c), (y_e, g_e) = run(True), run(False)
+    (y_c, g_c), (y_e, g_e) = (out_and_grads(m, x, proj, monkeypatch, use_cpp) for use_cpp in (True, False))
     torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(y_c, naive_forward(m, x).detach(), rtol=1e-5, atol=1e-6)
     for a, b in zip(g_c, g_e):
