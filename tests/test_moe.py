@@ -340,7 +340,8 @@ def test_segment_experts_gradcheck():
     idx = torch.tensor([[0, 2], [2, 0], [0, 2], [2, 0], [0, 2]])  # expert 1 has no tokens
     order = torch.argsort(idx.reshape(-1), stable=True)
     counts = torch.bincount(idx.reshape(-1), minlength=E).tolist()
-    assert torch.autograd.gradcheck(lambda *a: _SegmentExperts.apply(*a, order, order // K, counts),
+    pos = torch.empty_like(order).index_copy_(0, order, torch.arange(N * K))
+    assert torch.autograd.gradcheck(lambda *a: _SegmentExperts.apply(*a, order // K, pos, counts),
                                     (x, w, wgu, wd), fast_mode=True)
 
 
@@ -407,7 +408,7 @@ def test_cpp_row_moves_equal_the_eager_forms(shared, monkeypatch):
     x = torch.randn(2, 9, 16, requires_grad=True)
     proj = torch.randn(2, 9, 16)
     (y_c, g_c), (y_e, g_e) = (out_and_grads(m, x, proj, monkeypatch, use_cpp) for use_cpp in (True, False))
-    torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-7)  # (the eager SwiGLU's exp differs in the last bits)
     torch.testing.assert_close(y_c, naive_forward(m, x).detach(), rtol=1e-5, atol=1e-6)
     for a, b in zip(g_c, g_e):
         assert (a is None) == (b is None)
@@ -426,6 +427,13 @@ def test_cpp_row_moves_equal_the_eager_forms(shared, monkeypatch):
         assert torch.autograd.gradcheck(lambda *a: moe_mod._GroupedExperts.apply(*a, slot, cap), (xs, w, wgu, wd),
                                         fast_mode=True)
     monkeypatch.setattr(cext, "available", lambda: True)
+    # top-2: the combine is round(w0 y0) + round(w1 y1), bit for bit the index_add_ of the products it replaced
+    # (moe_rows.cpp is built without multiply-add contraction)
+    rows, slot2 = torch.randn(50, 48, generator=gen), torch.randint(0, 50, (40,), generator=gen)
+    w2 = torch.rand(40, generator=gen)
+    combined = torch.ops.glm_lightning.rows_gather_sum(rows, slot2, 2, w2)
+    products = rows.index_select(0, slot2) * w2[:, None]
+    assert torch.equal(combined, torch.zeros(20, 48).index_add_(0, torch.arange(20).repeat_interleave(2), products))
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.glm_lightning.rows_gather_sum(torch.randn(4, 3), torch.tensor([0, 4]), 2, None)
     with pytest.raises(RuntimeError, match="out of range"):

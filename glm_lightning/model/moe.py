@@ -43,19 +43,6 @@ def _f32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
-def _padded_batch(x: Tensor, token: Tensor, slot: Tensor, E: int, cap: int) -> Tensor:
-    """The sorted assignments' tokens in the zero-padded [E, cap, d] batch (expert e's j-th at slot e * cap + j)."""
-    d = x.shape[-1]
-    return x.new_zeros(E * cap, d).index_copy_(0, slot, x.index_select(0, token)).view(E, cap, d)
-
-
-def _sorted_gates(w: Tensor, order: Tensor, dtype: torch.dtype) -> Tensor:
-    """The gate weights w [N, K] in the experts' sorted assignment order, as a column [N*K, 1] of the activations'
-    dtype (the segment and small-load paths; the grouped path reads them in token order)."""
-    gates = w.reshape(-1).index_select(0, order)
-    return (gates if gates.dtype == dtype else gates.to(dtype)).unsqueeze(-1)
-
-
 def _fused_swiglu(hgu: Tensor) -> bool:
     """Whether SwiGLU runs as the C++ ops of csrc/swiglu.cpp for hgu (contiguous, and see cext.takes)."""
     return hgu.is_contiguous() and cext.takes(hgu)
@@ -169,12 +156,14 @@ class _SegmentExperts(torch.autograd.Function):
     Same math and backward as :class:`_GroupedExperts`; for large calls, where a zero-padded [E, max load, d] batch
     wastes what the loads are unequal by (a 96-prompt RL prefill shares its prompts' prefix, so identical tokens pick
     identical experts: the largest load was 1.8x the mean). The segments are views from one ``split`` per tensor, so
-    each expert costs about one dispatched op per GEMM.
+    each expert costs about one dispatched op per GEMM. ``token`` [A] is the token of each sorted assignment (the
+    forward's gather), ``pos`` [N * K] the sorted row of token n's k-th choice (the gated combine and the backward, with
+    the row moves of :class:`_GroupedExperts`).
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor,  # type: ignore[override]
-                order: Tensor, token: Tensor, counts: list[int]) -> Tensor:
+                token: Tensor, pos: Tensor, counts: list[int]) -> Tensor:
         A, h = token.numel(), w_down.shape[-1]
         used = [e for e, n in enumerate(counts) if n]
         xs = x.index_select(0, token)                                                  # [A, d] sorted by expert
@@ -187,19 +176,19 @@ class _SegmentExperts(torch.autograd.Function):
         a_e, ys_e, wd_t = a.split(counts), ys.split(counts), w_down.transpose(1, 2).unbind(0)
         for e in used:
             torch.mm(a_e[e], wd_t[e], out=ys_e[e])
-        gates = _sorted_gates(w, order, x.dtype)
-        ctx.save_for_backward(xs, hgu, a, ys, gates, w_gate_up, w_down, order, token)
+        gates = (w if w.dtype == x.dtype else w.to(x.dtype)).reshape(-1)
+        ctx.save_for_backward(xs, hgu, a, ys, gates, w_gate_up, w_down, pos)
         ctx.counts, ctx.used, ctx.w_shape, ctx.w_dtype = counts, used, w.shape, w.dtype
-        return torch.zeros_like(x).index_add_(0, token, ys * gates)
+        return _rows_gather_sum(ys, pos, w.shape[-1], gates)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # type: ignore[override]
-        xs, hgu, a, ys, gates, w_gate_up, w_down, order, token = ctx.saved_tensors
+        xs, hgu, a, ys, gates, w_gate_up, w_down, pos = ctx.saved_tensors
         counts, used, need = ctx.counts, ctx.used, ctx.needs_input_grad
-        dy_sorted = dy.index_select(0, token)                                          # [A, d]
-        dgates = (dy_sorted * ys).sum(-1)
-        dw = dgates.new_zeros(ctx.w_shape.numel()).index_copy_(0, order, dgates).view(ctx.w_shape)
-        dys = dy_sorted.mul_(gates)
+        K = ctx.w_shape[-1]
+        dy = dy.contiguous()
+        dw = _rows_dot(dy, ys, pos, K).view(ctx.w_shape)
+        dys = _rows_scatter(dy, pos, K, gates, ys.shape[0])                           # [A, d], every row written
         da = a.new_empty(a.shape)                                                      # [A, h]
         dys_e, da_e, wd = dys.split(counts), da.split(counts), w_down.unbind(0)
         for e in used:
@@ -222,7 +211,7 @@ class _SegmentExperts(torch.autograd.Function):
             dhgu_e, dxs_e, wgu = dhgu.split(counts), dxs.split(counts), w_gate_up.unbind(0)
             for e in used:
                 torch.mm(dhgu_e[e], wgu[e], out=dxs_e[e])
-            dx = torch.zeros_like(dy).index_add_(0, token, dxs)
+            dx = _rows_gather_sum(dxs, pos, K, None)
         return (dx, dw if dw.dtype == ctx.w_dtype else dw.to(ctx.w_dtype), dw_gate_up, dw_down, None, None, None)
 
 
@@ -242,14 +231,15 @@ at 16 tokens, 1.12x at 64, 1.05x at 96. The choice depends on the shape only, ne
 output never depends on what the other tokens of the batch are."""
 
 
-def _experts_small(x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, order: Tensor, token: Tensor,
-                   slot: Tensor, cap: int, counts: Tensor) -> Tensor:
+def _experts_small(x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, slot: Tensor, cap: int,
+                   counts: Tensor) -> Tensor:
     """The forward of :class:`_GroupedExperts` without autograd, its two bmm as ``small_matmul`` over each expert's
-    ``counts`` real rows (same gather and scatter, same values within float rounding)."""
-    xs = _padded_batch(x, token, slot, w_gate_up.shape[0], cap)
+    ``counts`` real rows (same row moves, same values within float rounding)."""
+    E, K, d = w_gate_up.shape[0], w.shape[-1], x.shape[-1]
+    xs = _rows_scatter(x, slot, K, None, E * cap).view(E, cap, d)
     a = _swiglu_act(torch.ops.glm_lightning.small_matmul(xs, w_gate_up, counts))
-    y_sorted = torch.ops.glm_lightning.small_matmul(a, w_down, counts).view(-1, x.shape[-1]).index_select(0, slot)
-    return torch.zeros_like(x).index_add_(0, token, y_sorted.mul_(_sorted_gates(w, order, x.dtype)))
+    y_pad = torch.ops.glm_lightning.small_matmul(a, w_down, counts).view(E * cap, d)
+    return _rows_gather_sum(y_pad, slot, K, w if w.dtype == x.dtype else w.to(x.dtype))
 
 
 class MoE(nn.Module):
@@ -316,19 +306,19 @@ class MoE(nn.Module):
             return torch.zeros_like(x)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        token = order // K  # token of each sorted assignment
+        # every path addresses token n's k-th choice at n * K + k: pos is its row among the sorted assignments
+        pos = torch.empty_like(order).index_copy_(0, order, torch.arange(flat.numel(), device=x.device))
         if x.shape[0] >= SEGMENT_TOKENS and self.n_experts * cap >= SEGMENT_PADDING * flat.numel():
-            return _SegmentExperts.apply(x, w, self.w_gate_up, self.w_down, order, token, counts)
-        # padded slot of sorted assignment i (expert e, e's j-th): e * cap + j = i + (e * cap - start_e)
+            return _SegmentExperts.apply(x, w, self.w_gate_up, self.w_down, order // K, pos, counts)
+        # its padded row (expert e's j-th assignment at e * cap + j): pos + (e * cap - start_e)
         starts = [0]
         for n in counts[:-1]:
             starts.append(starts[-1] + n)
         shift = torch.tensor([e * cap - s0 for e, s0 in enumerate(starts)], device=x.device)
-        slot = torch.arange(flat.numel(), device=x.device) + shift.index_select(0, flat.index_select(0, order))
+        slot = pos + shift.index_select(0, flat)
         if x.shape[0] <= SMALL_TOKENS and not torch.is_grad_enabled() and cext.takes(x, self.w_gate_up, fp64=False):
-            return _experts_small(x, w, self.w_gate_up, self.w_down, order, token, slot, cap, counts_t)
-        slot_by_token = torch.empty_like(slot).index_copy_(0, order, slot)  # token n's k-th choice at n * K + k
-        return _GroupedExperts.apply(x, w, self.w_gate_up, self.w_down, slot_by_token, cap)
+            return _experts_small(x, w, self.w_gate_up, self.w_down, slot, cap, counts_t)
+        return _GroupedExperts.apply(x, w, self.w_gate_up, self.w_down, slot, cap)
 
     def _balance_loss(self, s: Tensor, idx: Tensor) -> Tensor:
         """Sequence-wise balance loss from scores s [B, T, E] and choices idx [B, T, K]."""

@@ -18,6 +18,11 @@
 
 #include <optional>
 
+// No multiply-add contraction here: a token's sum is then round(w0 y0) + round(w1 y1), bit for bit what the eager
+// index_add_ of the products gives (GCC contracts into FMAs by default, which moved outputs by ~2e-7).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
 namespace moe_rows {  // named: the unity build puts every source in one translation unit
 
 void check(const at::Tensor& x, const at::Tensor& slot, int64_t K, const char* name) {
@@ -124,6 +129,8 @@ at::Tensor rows_dot(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
 }
 
 }  // namespace moe_rows
+
+#pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("rows_scatter(Tensor src, Tensor slot, int K, Tensor? scale, int R) -> Tensor");
