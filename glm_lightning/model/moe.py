@@ -79,6 +79,11 @@ class _SwiGLU(torch.autograd.Function):
         return _swiglu_act_backward(da, ctx.saved_tensors[0])
 
 
+def _token_gates(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """The gates w [N, K] flat [N * K] in token order, in the activations' dtype: the row moves' weights."""
+    return (w if w.dtype == dtype else w.to(dtype)).reshape(-1)
+
+
 def _rows_scatter(src: Tensor, slot: Tensor, K: int, scale: Tensor | None, rows: int) -> Tensor:
     """[rows, d] zeros with row slot[f] = scale[f] * src[f // K] (slot, scale [N * K] in token order): one pass with the
     C++ ops (csrc/moe_rows.cpp), else repeat_interleave, product and index_copy_."""
@@ -125,7 +130,7 @@ class _GroupedExperts(torch.autograd.Function):
         hgu = torch.bmm(xs, w_gate_up.transpose(1, 2))                               # [E, cap, 2h]
         a = _swiglu_act(hgu)
         y_pad = torch.bmm(a, w_down.transpose(1, 2)).view(E * cap, d)
-        gates = (w if w.dtype == x.dtype else w.to(x.dtype)).reshape(-1)
+        gates = _token_gates(w, x.dtype)
         ctx.save_for_backward(xs, hgu, a, y_pad, gates, w_gate_up, w_down, slot)
         ctx.w_shape, ctx.w_dtype = w.shape, w.dtype
         return _rows_gather_sum(y_pad, slot, K, gates)
@@ -176,7 +181,7 @@ class _SegmentExperts(torch.autograd.Function):
         a_e, ys_e, wd_t = a.split(counts), ys.split(counts), w_down.transpose(1, 2).unbind(0)
         for e in used:
             torch.mm(a_e[e], wd_t[e], out=ys_e[e])
-        gates = (w if w.dtype == x.dtype else w.to(x.dtype)).reshape(-1)
+        gates = _token_gates(w, x.dtype)
         ctx.save_for_backward(xs, hgu, a, ys, gates, w_gate_up, w_down, pos)
         ctx.counts, ctx.used, ctx.w_shape, ctx.w_dtype = counts, used, w.shape, w.dtype
         return _rows_gather_sum(ys, pos, w.shape[-1], gates)
@@ -239,7 +244,7 @@ def _experts_small(x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, slot
     xs = _rows_scatter(x, slot, K, None, E * cap).view(E, cap, d)
     a = _swiglu_act(torch.ops.glm_lightning.small_matmul(xs, w_gate_up, counts))
     y_pad = torch.ops.glm_lightning.small_matmul(a, w_down, counts).view(E * cap, d)
-    return _rows_gather_sum(y_pad, slot, K, w if w.dtype == x.dtype else w.to(x.dtype))
+    return _rows_gather_sum(y_pad, slot, K, _token_gates(w, x.dtype))
 
 
 class MoE(nn.Module):
