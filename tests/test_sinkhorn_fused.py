@@ -143,3 +143,39 @@ def test_fused_site_read_equals_the_eager_mappings_and_read(n, dim, monkeypatch)
     args = (xd, site.phi.detach().clone().requires_grad_(), site.alpha.detach().clone().requires_grad_(),
             site.bias.detach().clone().requires_grad_())
     assert torch.autograd.gradcheck(f, args, fast_mode=dim > 6)
+
+
+@pytest.mark.parametrize("n", [1, 5, 8])
+def test_fused_every_compiled_stream_count_and_the_saved_softmax(n):
+    """The op is compiled for 1 to 8 streams (csrc/sinkhorn.cpp): each equals the eager form, and the second output
+    is the row softmax the backward starts from."""
+    torch.manual_seed(n)
+    logits = (torch.randn(21, n, n) * 2.0).requires_grad_()
+    out, soft = torch.ops.glm_lightning.sinkhorn(logits.detach(), 20, 1e-6)
+    torch.testing.assert_close(soft, torch.softmax(logits.detach(), dim=-1), atol=1e-6, rtol=1e-6)
+    eager = sinkhorn_knopp(logits, fused=False)
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    grad = torch.randn_like(eager)
+    (g_eager,) = torch.autograd.grad(eager, logits, grad)
+    g_fused = torch.ops.glm_lightning.sinkhorn_backward(grad, soft, 20, 1e-6)
+    torch.testing.assert_close(g_fused, g_eager, atol=1e-5, rtol=1e-5)
+
+
+def test_more_streams_than_the_ops_take_run_the_eager_paths():
+    """9 streams: Sinkhorn falls back to the eager form (and refuses an explicit fused=True); a 7-stream site (past the
+    C++ site read's 6) reads through the eager mappings instead of failing."""
+    from glm_lightning.model.mhc import SINKHORN_MAX_STREAMS, HyperConnection
+
+    logits = torch.randn(3, 9, 9)
+    assert SINKHORN_MAX_STREAMS == 8
+    torch.testing.assert_close(sinkhorn_knopp(logits), sinkhorn_knopp(logits, fused=False))
+    with pytest.raises(ValueError, match="at most 8 streams"):
+        sinkhorn_knopp(logits, fused=True)
+    with pytest.raises(RuntimeError, match="1 to 8 streams"):
+        torch.ops.glm_lightning.sinkhorn(logits, 20, 1e-6)
+    site = HyperConnection(n=7, dim=4, iters=3)
+    x = torch.randn(2, 3, 7, 4, requires_grad=True)
+    h, (post, res) = site.read(x)
+    assert h.shape == (2, 3, 4) and res.shape == (2, 3, 7, 7)
+    (h.sum() + res.sum()).backward()
+    assert x.grad is not None and site.phi.grad is not None

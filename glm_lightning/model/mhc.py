@@ -79,18 +79,25 @@ class _Sinkhorn(torch.autograd.Function):
 
 class _SinkhornFused(torch.autograd.Function):
     """The same Sinkhorn as `_Sinkhorn`, as the C++ ops of csrc/sinkhorn.cpp: one op forward, one backward (which
-    recomputes the cheap forward instead of saving 2 * iters - 1 denominators)."""
+    recomputes the cheap half steps from the saved row softmax instead of saving 2 * iters - 1 denominators)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(logits)
+        out, soft = torch.ops.glm_lightning.sinkhorn(logits, iters, eps)
+        ctx.save_for_backward(soft)
         ctx.iters, ctx.eps = iters, eps
-        return torch.ops.glm_lightning.sinkhorn(logits, iters, eps)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        (logits,) = ctx.saved_tensors
-        return torch.ops.glm_lightning.sinkhorn_backward(grad, logits, ctx.iters, ctx.eps), None, None
+        (soft,) = ctx.saved_tensors
+        return torch.ops.glm_lightning.sinkhorn_backward(grad, soft, ctx.iters, ctx.eps), None, None
+
+
+SINKHORN_MAX_STREAMS = 8
+"""The C++ Sinkhorn op's limit (csrc/sinkhorn.cpp is compiled for each stream count); more runs the eager form."""
+SITE_READ_MAX_STREAMS = 6
+"""The C++ site read's limit (csrc/site_read.cpp: at most 64 logits, (2 + n) n); more runs the eager mappings."""
 
 
 def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6,
@@ -110,7 +117,10 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6,
     flat = logits.reshape(-1, *shape[-2:])
     if fused and not cext.available():
         raise RuntimeError("the C++ Sinkhorn op is not available (see glm_lightning/model/cext.py)")
-    use_fused = (cext.available() if fused is None else fused) and flat.device.type == "cpu"
+    if fused and shape[-1] > SINKHORN_MAX_STREAMS:
+        raise ValueError(f"the C++ Sinkhorn op takes at most {SINKHORN_MAX_STREAMS} streams, got {shape[-1]}")
+    use_fused = ((cext.available() if fused is None else fused) and flat.device.type == "cpu"
+                 and shape[-1] <= SINKHORN_MAX_STREAMS)
     return (_SinkhornFused if use_fused else _Sinkhorn).apply(flat, iters, eps).view(shape)
 
 
@@ -206,16 +216,16 @@ class SiteReadFused(torch.autograd.Function):
         alpha_e = alpha.index_select(0, site._alpha_index)
         h, gates, res_logits, inv_rms, raw, sig = torch.ops.glm_lightning.site_read(
             x, phi, alpha_e, bias, site._gate_scale, site._gate_shift, site.norm_eps)
-        res = torch.ops.glm_lightning.sinkhorn(res_logits, site.iters, site.eps)
-        ctx.save_for_backward(x, phi, alpha_e, inv_rms, raw, sig, gates, res_logits)
+        res, res_soft = torch.ops.glm_lightning.sinkhorn(res_logits, site.iters, site.eps)
+        ctx.save_for_backward(x, phi, alpha_e, inv_rms, raw, sig, gates, res_soft)
         ctx.site = site
         return h, gates[:, n:], res
 
     @staticmethod
     def backward(ctx, dh: torch.Tensor, dpost: torch.Tensor, dres: torch.Tensor):  # type: ignore[override]
-        x, phi, alpha_e, inv_rms, raw, sig, gates, res_logits = ctx.saved_tensors
+        x, phi, alpha_e, inv_rms, raw, sig, gates, res_soft = ctx.saved_tensors
         site = ctx.site
-        dres_logits = torch.ops.glm_lightning.sinkhorn_backward(dres, res_logits, site.iters, site.eps)
+        dres_logits = torch.ops.glm_lightning.sinkhorn_backward(dres, res_soft, site.iters, site.eps)
         dx, dphi, dbias, dalpha_l = torch.ops.glm_lightning.site_read_backward(
             dh, dpost, dres_logits, x, phi, alpha_e, site._gate_scale, inv_rms, raw, sig, gates)
         dalpha = torch.zeros_like(site.alpha).index_add_(0, site._alpha_index, dalpha_l)
@@ -266,7 +276,7 @@ class HyperConnection(nn.Module):
 
     def _fused_read(self, x: torch.Tensor) -> bool:
         """Whether `read` runs as one `SiteReadFused` (C++ ops built, fp32/fp64 on CPU) instead of `mappings` + read."""
-        return cext.takes(x, self.phi)
+        return self.n <= SITE_READ_MAX_STREAMS and cext.takes(x, self.phi)
 
     def read(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The sub-layer input H_pre x [B,T,C] and the (H_post, H_res) that `write` needs."""

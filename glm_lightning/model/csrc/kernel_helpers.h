@@ -11,6 +11,9 @@
 
 namespace glm_lightning_ops {
 
+// The most mHC streams the stream and Sinkhorn ops take (glm_lightning/model/mhc.py keeps the eager paths beyond).
+constexpr int64_t kMaxStreams = 8;
+
 // Flush fp32 denormals to zero while alive (this thread only), for the ops that multiply long decay chains: KDA's
 // decays reach exp(lb * C) within a chunk (e.g. exp(-160)) and state entries decay by exp(-5) per decoded token:
 // fp32 denormals, which cost ~100 cycles per multiply on x86 unless flushed (MKL's GEMMs flush them too).

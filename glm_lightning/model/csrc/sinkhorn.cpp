@@ -3,9 +3,14 @@
 // Same arithmetic, in the same order, as the eager `_Sinkhorn` of glm_lightning/model/mhc.py: row softmax, + eps,
 // then 2 * iters - 1 half steps m <- m / (sum + eps), columns first, alternating. The eager path dispatches ~3 ops per
 // half step forward and ~4 backward (~270 ops per site for 20 iterations); here a block of W tokens is copied into an
-// entries-major [n * n][W] buffer and iterated there, every step a loop over the W tokens that the compiler
-// vectorises. The backward recomputes its block's forward (keeping the 2 * iters - 1 denominators) and walks the
-// half steps back carrying P = dL/dm * m:  P_in = P_out - sum_dim(P_out) * m_out,  m_in = m_out * d.
+// entries-major [n * n][W] block and iterated there, every step a loop over the W tokens that the compiler
+// vectorises. The stream count is a compile-time constant (1 .. kMaxStreams), so every loop over the entries unrolls
+// and a block's n * n rows stay in vector registers through all half steps (with a runtime n they went through memory
+// on each, ~5x slower).
+//
+// The forward returns the row softmax with the result; the backward starts from it (no exp to redo: glibc's scalar
+// exp was most of the recomputed forward), recomputes the half steps keeping their 2 * iters - 1 denominators, and
+// walks them back carrying P = dL/dm * m:  P_in = P_out - sum_dim(P_out) * m_out,  m_in = m_out * d.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,115 +20,157 @@
 #include <limits>
 #include <vector>
 
+#include "kernel_helpers.h"
+
 namespace {
 
 constexpr int64_t W = 16;  // tokens per block: one AVX-512 register of fp32, two of AVX2
+using glm_lightning_ops::kMaxStreams;
 
-// Sizes of the per-block work buffers, in elements.
-struct Block {
-  int64_t n, iters;
-  int64_t mat() const { return n * n * W; }
-  int64_t dens() const { return (2 * iters - 1) * n * W; }
-};
-
-// Load tokens [t0, t0 + nt) of x (token stride ts, each n x n row-major) entries-major into buf[k * W + w]; the unused
-// lanes get zeros (a uniform softmax, harmless and never stored).
-template <typename T>
-void load(const T* x, int64_t ts, int64_t nt, int64_t nn, T* buf) {
-  for (int64_t k = 0; k < nn; ++k) {
-    for (int64_t w = 0; w < nt; ++w) buf[k * W + w] = x[w * ts + k];
-    for (int64_t w = nt; w < W; ++w) buf[k * W + w] = 0;
+// Load tokens [t0, t0 + nt) of x (token stride ts, each n x n row-major) entries-major into buf[k][w]; the unused
+// lanes get `fill` (zeros: a uniform softmax, or ones as a softmax; harmless and never stored).
+template <int NN, typename T>
+[[gnu::always_inline]] inline void load(const T* x, int64_t ts, int64_t nt, T fill, T (*buf)[W]) {
+#pragma GCC unroll 8
+  for (int k = 0; k < NN * NN; ++k) {
+    for (int64_t w = 0; w < nt; ++w) buf[k][w] = x[w * ts + k];
+    for (int64_t w = nt; w < W; ++w) buf[k][w] = fill;
   }
 }
 
-template <typename T>
-void store(const T* buf, int64_t nt, int64_t nn, T* y) {
+template <int NN, typename T>
+[[gnu::always_inline]] inline void store(const T (*buf)[W], int64_t nt, T* y) {
   for (int64_t w = 0; w < nt; ++w)
-    for (int64_t k = 0; k < nn; ++k) y[w * nn + k] = buf[k * W + w];
+#pragma GCC unroll 16
+    for (int k = 0; k < NN * NN; ++k) y[w * NN * NN + k] = buf[k][w];
 }
 
-// Forward of one block, in place on m (holding the logits on entry). `soft` gets the softmax and `dens` the
-// denominator of every half step, when not null.
-template <typename T>
-void block_forward(const Block& b, T eps, T* m, T* soft, T* dens) {
-  const int64_t n = b.n;
+// The row softmax of m in place (the start of the forward).
+template <int NN, typename T>
+[[gnu::always_inline]] inline void softmax_rows(T (*m)[W]) {
   T mx[W], s[W];
-  for (int64_t i = 0; i < n; ++i) {  // row softmax
-    T* row = m + i * n * W;
-    for (int64_t w = 0; w < W; ++w) mx[w] = -std::numeric_limits<T>::infinity();
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t w = 0; w < W; ++w) mx[w] = std::max(mx[w], row[j * W + w]);
-    for (int64_t w = 0; w < W; ++w) s[w] = 0;
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t w = 0; w < W; ++w) {
-        row[j * W + w] = std::exp(row[j * W + w] - mx[w]);
-        s[w] += row[j * W + w];
+#pragma GCC unroll 8
+  for (int i = 0; i < NN; ++i) {
+    for (int w = 0; w < W; ++w) mx[w] = -std::numeric_limits<T>::infinity();
+#pragma GCC unroll 8
+    for (int j = 0; j < NN; ++j)
+      for (int w = 0; w < W; ++w) mx[w] = std::max(mx[w], m[i * NN + j][w]);
+    for (int w = 0; w < W; ++w) s[w] = 0;
+#pragma GCC unroll 8
+    for (int j = 0; j < NN; ++j)
+      for (int w = 0; w < W; ++w) {
+        m[i * NN + j][w] = std::exp(m[i * NN + j][w] - mx[w]);
+        s[w] += m[i * NN + j][w];
       }
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t w = 0; w < W; ++w) {
-        T v = row[j * W + w] / s[w];
-        if (soft) soft[(i * n + j) * W + w] = v;
-        row[j * W + w] = v + eps;
-      }
+#pragma GCC unroll 8
+    for (int j = 0; j < NN; ++j)
+      for (int w = 0; w < W; ++w) m[i * NN + j][w] = m[i * NN + j][w] / s[w];
   }
-  for (int64_t step = 0; step < 2 * b.iters - 1; ++step) {
-    // column step: entry (i, j) divided by d_j = sum_i m_ij + eps; row step: by d_i = sum_j m_ij + eps
+}
+
+// m = soft + eps (the start of the half steps).
+template <int NN, typename T>
+[[gnu::always_inline]] inline void plus_eps(const T (*soft)[W], T (*m)[W], T eps) {
+#pragma GCC unroll 16
+  for (int k = 0; k < NN * NN; ++k)
+    for (int w = 0; w < W; ++w) m[k][w] = soft[k][w] + eps;
+}
+
+// The half steps, in place on m (softmax + eps on entry); `dens` gets the denominator of every half step when not
+// null. Column step: entry (i, j) divided by d_j = sum_i m_ij + eps; row step: by d_i = sum_j m_ij + eps.
+template <int NN, typename T>
+[[gnu::always_inline]] inline void iterate(int64_t iters, T eps, T (*m)[W], T* dens) {
+  T s[W];
+  for (int64_t step = 0; step < 2 * iters - 1; ++step) {
     const bool col = step % 2 == 0;
-    for (int64_t a = 0; a < n; ++a) {  // a = the column (or row) being normalised
-      for (int64_t w = 0; w < W; ++w) s[w] = 0;
-      for (int64_t c = 0; c < n; ++c) {
-        const T* e = m + (col ? c * n + a : a * n + c) * W;
-        for (int64_t w = 0; w < W; ++w) s[w] += e[w];
+#pragma GCC unroll 8
+    for (int a = 0; a < NN; ++a) {  // a = the column (or row) being normalised
+      for (int w = 0; w < W; ++w) s[w] = 0;
+#pragma GCC unroll 8
+      for (int c = 0; c < NN; ++c) {
+        const int k = col ? c * NN + a : a * NN + c;
+        for (int w = 0; w < W; ++w) s[w] += m[k][w];
       }
-      for (int64_t w = 0; w < W; ++w) s[w] += eps;
-      for (int64_t c = 0; c < n; ++c) {
-        T* e = m + (col ? c * n + a : a * n + c) * W;
-        for (int64_t w = 0; w < W; ++w) e[w] /= s[w];
+      for (int w = 0; w < W; ++w) s[w] += eps;
+#pragma GCC unroll 8
+      for (int c = 0; c < NN; ++c) {
+        const int k = col ? c * NN + a : a * NN + c;
+        for (int w = 0; w < W; ++w) m[k][w] /= s[w];
       }
       if (dens)
-        for (int64_t w = 0; w < W; ++w) dens[(step * n + a) * W + w] = s[w];
+        for (int w = 0; w < W; ++w) dens[(step * NN + a) * W + w] = s[w];
     }
   }
 }
 
-// Backward of one block: g holds dL/dout on entry and dL/dlogits on exit; m, soft, dens from block_forward.
-template <typename T>
-void block_backward(const Block& b, T* g, T* m, const T* soft, const T* dens) {
-  const int64_t n = b.n, nn = n * n;
+// Backward through the half steps: g holds dL/dout on entry and P = dL/dm * m of the start on exit; m is the forward's
+// output on entry and the start (softmax + eps) on exit; dens the denominators (from iterate).
+template <int NN, typename T>
+[[gnu::always_inline]] inline void walk_back(int64_t iters, T (*g)[W], T (*m)[W], const T* dens) {
   T s[W];
-  for (int64_t k = 0; k < nn * W; ++k) g[k] *= m[k];  // P = dL/dm * m
-  for (int64_t step = 2 * b.iters - 2; step >= 0; --step) {
+#pragma GCC unroll 16
+  for (int k = 0; k < NN * NN; ++k)
+    for (int w = 0; w < W; ++w) g[k][w] *= m[k][w];  // P = dL/dm * m
+  for (int64_t step = 2 * iters - 2; step >= 0; --step) {
     const bool col = step % 2 == 0;
-    for (int64_t a = 0; a < n; ++a) {
-      for (int64_t w = 0; w < W; ++w) s[w] = 0;
-      for (int64_t c = 0; c < n; ++c) {
-        const T* p = g + (col ? c * n + a : a * n + c) * W;
-        for (int64_t w = 0; w < W; ++w) s[w] += p[w];
+#pragma GCC unroll 8
+    for (int a = 0; a < NN; ++a) {
+      for (int w = 0; w < W; ++w) s[w] = 0;
+#pragma GCC unroll 8
+      for (int c = 0; c < NN; ++c) {
+        const int k = col ? c * NN + a : a * NN + c;
+        for (int w = 0; w < W; ++w) s[w] += g[k][w];
       }
-      const T* d = dens + (step * n + a) * W;
-      for (int64_t c = 0; c < n; ++c) {
-        const int64_t k = (col ? c * n + a : a * n + c) * W;
-        for (int64_t w = 0; w < W; ++w) {
-          g[k + w] -= s[w] * m[k + w];
-          m[k + w] *= d[w];
+      const T* d = dens + (step * NN + a) * W;
+#pragma GCC unroll 8
+      for (int c = 0; c < NN; ++c) {
+        const int k = col ? c * NN + a : a * NN + c;
+        for (int w = 0; w < W; ++w) {
+          g[k][w] -= s[w] * m[k][w];
+          m[k][w] *= d[w];
         }
       }
     }
   }
-  // m is the softmax + eps again: dL/dsoft = P / m, then the row softmax backward soft * (dsoft - <dsoft, soft>)
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t w = 0; w < W; ++w) s[w] = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t k = (i * n + j) * W;
-      for (int64_t w = 0; w < W; ++w) {
-        g[k + w] /= m[k + w];
-        s[w] += g[k + w] * soft[k + w];
+}
+
+// g: P of the start on entry (m its softmax + eps, soft the softmax), dL/dlogits on exit: dL/dsoft = P / m, then the
+// row softmax backward soft * (dsoft - <dsoft, soft>).
+template <int NN, typename T>
+[[gnu::always_inline]] inline void softmax_backward(T (*g)[W], const T (*m)[W], const T (*soft)[W]) {
+  T s[W];
+#pragma GCC unroll 8
+  for (int i = 0; i < NN; ++i) {
+    for (int w = 0; w < W; ++w) s[w] = 0;
+#pragma GCC unroll 8
+    for (int j = 0; j < NN; ++j) {
+      const int k = i * NN + j;
+      for (int w = 0; w < W; ++w) {
+        g[k][w] /= m[k][w];
+        s[w] += g[k][w] * soft[k][w];
       }
     }
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t k = (i * n + j) * W;
-      for (int64_t w = 0; w < W; ++w) g[k + w] = soft[k + w] * (g[k + w] - s[w]);
+#pragma GCC unroll 8
+    for (int j = 0; j < NN; ++j) {
+      const int k = i * NN + j;
+      for (int w = 0; w < W; ++w) g[k][w] = soft[k][w] * (g[k][w] - s[w]);
     }
+  }
+}
+
+// Calls fn.template operator()<NN>() with the compile-time stream count NN == n (1 .. kMaxStreams).
+template <typename F>
+void with_streams(int64_t n, F&& fn) {
+  TORCH_CHECK(n >= 1 && n <= kMaxStreams, "Sinkhorn op: 1 to ", kMaxStreams, " streams, got ", n);
+  switch (n) {
+    case 1: return fn.template operator()<1>();
+    case 2: return fn.template operator()<2>();
+    case 3: return fn.template operator()<3>();
+    case 4: return fn.template operator()<4>();
+    case 5: return fn.template operator()<5>();
+    case 6: return fn.template operator()<6>();
+    case 7: return fn.template operator()<7>();
+    default: return fn.template operator()<8>();
   }
 }
 
@@ -135,51 +182,63 @@ at::Tensor as_tokens(const at::Tensor& t) {
   return (t.stride(2) == 1 && t.stride(1) == t.size(2)) ? t : t.contiguous();
 }
 
-at::Tensor sinkhorn(const at::Tensor& logits_in, int64_t iters, double eps) {
+// (doubly stochastic result, row softmax of the logits): both [N, n, n]; the backward takes the softmax.
+std::tuple<at::Tensor, at::Tensor> sinkhorn(const at::Tensor& logits_in, int64_t iters, double eps) {
   TORCH_CHECK(iters >= 1, "iters must be >= 1");
   const at::Tensor logits = as_tokens(logits_in);
   const int64_t N = logits.size(0), n = logits.size(1), ts = logits.stride(0);
   at::Tensor out = at::empty({N, n, n}, logits.options());
-  const Block b{n, iters};
+  at::Tensor soft = at::empty({N, n, n}, logits.options());
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "sinkhorn", [&] {
     const scalar_t* x = logits.data_ptr<scalar_t>();
-    scalar_t* y = out.data_ptr<scalar_t>();
-    at::parallel_for(0, (N + W - 1) / W, 16, [&](int64_t begin, int64_t end) {
-      std::vector<scalar_t> m(b.mat());
-      for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t t0 = blk * W, nt = std::min(W, N - t0);
-        load(x + t0 * ts, ts, nt, n * n, m.data());
-        block_forward<scalar_t>(b, static_cast<scalar_t>(eps), m.data(), nullptr, nullptr);
-        store(m.data(), nt, n * n, y + t0 * n * n);
-      }
+    scalar_t *y = out.data_ptr<scalar_t>(), *sm = soft.data_ptr<scalar_t>();
+    const scalar_t e = static_cast<scalar_t>(eps);
+    with_streams(n, [&]<int NN>() {
+      at::parallel_for(0, (N + W - 1) / W, 16, [&](int64_t begin, int64_t end) {
+        scalar_t m[NN * NN][W];
+        for (int64_t blk = begin; blk < end; ++blk) {
+          const int64_t t0 = blk * W, nt = std::min(W, N - t0);
+          load<NN>(x + t0 * ts, ts, nt, scalar_t(0), m);
+          softmax_rows<NN>(m);
+          store<NN>(m, nt, sm + t0 * NN * NN);
+          plus_eps<NN>(m, m, e);
+          iterate<NN>(iters, e, m, static_cast<scalar_t*>(nullptr));
+          store<NN>(m, nt, y + t0 * NN * NN);
+        }
+      });
     });
   });
-  return out;
+  return {out, soft};
 }
 
-at::Tensor sinkhorn_backward(const at::Tensor& grad_in, const at::Tensor& logits_in, int64_t iters, double eps) {
+at::Tensor sinkhorn_backward(const at::Tensor& grad_in, const at::Tensor& soft_in, int64_t iters, double eps) {
   TORCH_CHECK(iters >= 1, "iters must be >= 1");
-  const at::Tensor logits = as_tokens(logits_in);
+  const at::Tensor soft = as_tokens(soft_in);
   const at::Tensor grad = as_tokens(grad_in);
-  const int64_t N = logits.size(0), n = logits.size(1), ts = logits.stride(0), gs = grad.stride(0);
-  TORCH_CHECK(grad.sizes() == logits.sizes(), "grad shape ", grad.sizes(), " != logits ", logits.sizes());
-  at::Tensor out = at::empty({N, n, n}, logits.options());
-  const Block b{n, iters};
-  AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "sinkhorn_backward", [&] {
-    const scalar_t* x = logits.data_ptr<scalar_t>();
-    const scalar_t* gy = grad.data_ptr<scalar_t>();
+  const int64_t N = soft.size(0), n = soft.size(1), ss = soft.stride(0), gs = grad.stride(0);
+  TORCH_CHECK(grad.sizes() == soft.sizes(), "grad shape ", grad.sizes(), " != softmax ", soft.sizes());
+  TORCH_CHECK(grad.scalar_type() == soft.scalar_type(), "grad and softmax dtypes differ");
+  at::Tensor out = at::empty({N, n, n}, soft.options());
+  AT_DISPATCH_FLOATING_TYPES(soft.scalar_type(), "sinkhorn_backward", [&] {
+    const scalar_t *sm = soft.data_ptr<scalar_t>(), *gy = grad.data_ptr<scalar_t>();
     scalar_t* gx = out.data_ptr<scalar_t>();
-    at::parallel_for(0, (N + W - 1) / W, 16, [&](int64_t begin, int64_t end) {
-      std::vector<scalar_t> buf(3 * b.mat() + b.dens());
-      scalar_t *m = buf.data(), *soft = m + b.mat(), *g = soft + b.mat(), *dens = g + b.mat();
-      for (int64_t blk = begin; blk < end; ++blk) {
-        const int64_t t0 = blk * W, nt = std::min(W, N - t0);
-        load(x + t0 * ts, ts, nt, n * n, m);
-        block_forward<scalar_t>(b, static_cast<scalar_t>(eps), m, soft, dens);
-        load(gy + t0 * gs, gs, nt, n * n, g);
-        block_backward<scalar_t>(b, g, m, soft, dens);
-        store(g, nt, n * n, gx + t0 * n * n);
-      }
+    const scalar_t e = static_cast<scalar_t>(eps);
+    with_streams(n, [&]<int NN>() {
+      at::parallel_for(0, (N + W - 1) / W, 16, [&](int64_t begin, int64_t end) {
+        scalar_t m[NN * NN][W], sf[NN * NN][W], g[NN * NN][W];
+        std::vector<scalar_t> dens((2 * iters - 1) * NN * W);
+        for (int64_t blk = begin; blk < end; ++blk) {
+          const int64_t t0 = blk * W, nt = std::min(W, N - t0);
+          load<NN>(sm + t0 * ss, ss, nt, scalar_t(1) / NN, sf);
+          plus_eps<NN>(sf, m, e);
+          iterate<NN>(iters, e, m, dens.data());
+          load<NN>(gy + t0 * gs, gs, nt, scalar_t(0), g);
+          walk_back<NN>(iters, g, m, dens.data());
+          load<NN>(sm + t0 * ss, ss, nt, scalar_t(1) / NN, sf);  // again: not held in registers through the walk
+          softmax_backward<NN>(g, m, sf);
+          store<NN>(g, nt, gx + t0 * NN * NN);
+        }
+      });
     });
   });
   return out;
@@ -188,8 +247,8 @@ at::Tensor sinkhorn_backward(const at::Tensor& grad_in, const at::Tensor& logits
 }  // namespace
 
 TORCH_LIBRARY(glm_lightning, m) {
-  m.def("sinkhorn(Tensor logits, int iters, float eps) -> Tensor");
-  m.def("sinkhorn_backward(Tensor grad, Tensor logits, int iters, float eps) -> Tensor");
+  m.def("sinkhorn(Tensor logits, int iters, float eps) -> (Tensor, Tensor)");
+  m.def("sinkhorn_backward(Tensor grad, Tensor softmax, int iters, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {

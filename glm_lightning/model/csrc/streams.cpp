@@ -19,7 +19,7 @@ namespace {
 
 using glm_lightning_ops::kLanes;
 using glm_lightning_ops::Lanes;
-constexpr int64_t kMaxStreams = 8;
+using glm_lightning_ops::kMaxStreams;
 
 // A [..., k] operand as (pointer offset per token): row-major with a uniform token stride (e.g. H_post, a slice of
 // the fused gates), so that no copy is needed; anything else is made contiguous (one copy).
