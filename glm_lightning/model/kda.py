@@ -70,7 +70,7 @@ from torch import Tensor, nn
 from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.kda_chunk import KDAChunkFunction, scan, scan_backward
-from glm_lightning.model.kda_fused import GatedHeadNorm, KDAFeatures, ShortConvSiLU
+from glm_lightning.model.kda_fused import GatedHeadNorm, GatedHeadNormCpp, KDAFeatures, KDAFeaturesCpp, ShortConvSiLU
 from glm_lightning.model.kda_recurrent_cpp import recurrent_cpp
 from glm_lightning.model.kda_recurrent_cpp import supports as recurrent_cpp_supports
 from glm_lightning.model.linear import linear
@@ -416,7 +416,9 @@ class KDAttention(nn.Module):
                 o, S = kda_core(q, k, v, g, beta, self.chunk_size, initial_state=cache.state,
                                 gate_bound=-self.lower_bound)
             self._update_cache(cache, raw, S)
-        o = GatedHeadNorm.apply(o, _f32(gate), self.o_norm.weight, self.o_norm.eps)  # RMSNorm_head(o) * sigmoid(gate)
+        gate = _f32(gate)  # RMSNorm_head(o) * sigmoid(gate): one C++ pass each way when the ops take the tensors
+        o = (GatedHeadNormCpp if cext.takes(o, gate, self.o_norm.weight) else GatedHeadNorm).apply(
+            o, gate, self.o_norm.weight, self.o_norm.eps)
         return linear(o if o.dtype == x.dtype else o.to(x.dtype), self.o_proj.weight), self._no_aux
 
     def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None, step: bool = False):
@@ -438,7 +440,9 @@ class KDAttention(nn.Module):
         # L2-normalise q and k together (eps 1e-6, as F.normalize) and fold q's K^-0.5 into the same division; the
         # gates g = lb * sigmoid(exp(A_log) * (W_f2 f1 + dt_bias)), beta = sigmoid(b): one Function (kda_fused.py)
         f = linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias))
-        q, k, v, g, beta = KDAFeatures.apply(_f32(y), f, _f32(b), _f32(self.A_log), self._qk_rescale, self.lower_bound)
+        y, b, A_log = _f32(y), _f32(b), _f32(self.A_log)
+        features = KDAFeaturesCpp if cext.takes(y, f, b, A_log, self._qk_rescale) else KDAFeatures
+        q, k, v, g, beta = features.apply(y, f, b, A_log, self._qk_rescale, self.lower_bound)
         if valid is not None:  # pads are identity steps of the state
             pad = ~valid
             k = k.masked_fill(pad[..., None, None], 0.0)
