@@ -438,3 +438,42 @@ def test_cpp_row_moves_equal_the_eager_forms(shared, monkeypatch):
         torch.ops.glm_lightning.rows_gather_sum(torch.randn(4, 3), torch.tensor([0, 4]), 2, None)
     with pytest.raises(RuntimeError, match="out of range"):
         torch.ops.glm_lightning.rows_scatter(torch.randn(1, 3), torch.tensor([0, -1]), 2, None, 4)
+
+
+@needs_cext
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_cpp_routing_equals_the_eager_route_balance_loss_and_rows(top_k):
+    """csrc/moe_route.cpp (_Routing) against the eager _select, _balance_loss and _assignment_rows from the same
+    scores, 3 sequences: the same choices (as sets), gates (bit for bit at top-2), counts and rows, the balance loss,
+    and the scores' gradient through gates and loss; fp64 gradcheck; ties go to the lower expert."""
+    from glm_lightning.model.moe import _Routing
+
+    m = make(seed=11, moe_top_k=top_k)
+    m.expert_bias.copy_(torch.tensor([0.2, -0.1, 0.0, 0.05]))
+    B, T, E = 3, 7, 4
+    s = torch.sigmoid(torch.randn(B * T, E, generator=torch.Generator().manual_seed(12))).requires_grad_()
+    w, aux, idx, counts, pos, slot = _Routing.apply(s, m.expert_bias, top_k, m.routed_scaling, B,
+                                                    m.balance_loss_weight)
+    idx_e, w_e = m._select(s)
+    aux_e = m._balance_loss(s.view(B, T, E), idx_e.view(B, T, top_k))
+    order, order_e = idx.sort(-1), idx_e.sort(-1)
+    assert torch.equal(order.values, order_e.values)
+    w_sorted, w_e_sorted = w.gather(-1, order.indices), w_e.gather(-1, order_e.indices)
+    if top_k == 2:
+        assert torch.equal(w_sorted, w_e_sorted)
+    torch.testing.assert_close(w_sorted, w_e_sorted, rtol=1e-6, atol=0)
+    assert torch.equal(counts, torch.bincount(idx_e.reshape(-1), minlength=E))
+    pos_e, slot_e = m._assignment_rows(idx, counts.tolist())  # the eager rows of the op's own choice order
+    assert torch.equal(pos, pos_e) and torch.equal(slot, slot_e)
+    torch.testing.assert_close(aux, aux_e, rtol=1e-5, atol=0)
+    proj = torch.randn(B * T, top_k, generator=torch.Generator().manual_seed(13))
+    (g,) = torch.autograd.grad((w * proj).sum() + 3.0 * aux, s)
+    proj_e = torch.zeros(B * T, E).scatter_(1, idx, proj).gather(1, idx_e)  # the same weights on the eager order
+    (g_e,) = torch.autograd.grad((w_e * proj_e).sum() + 3.0 * aux_e, s)
+    torch.testing.assert_close(g, g_e, rtol=1e-5, atol=1e-7)
+    s64 = s.detach().double().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda t: _Routing.apply(t, m.expert_bias, top_k, m.routed_scaling, B, m.balance_loss_weight)[:2], (s64,))
+    tied = torch.full((2, E), 0.5)
+    _, _, idx_t, *_ = torch.ops.glm_lightning.moe_route(tied, torch.zeros(E), top_k, 1.0, 1, 0.0)
+    assert idx_t.tolist() == [list(range(top_k))] * 2
