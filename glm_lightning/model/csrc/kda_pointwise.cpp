@@ -1,7 +1,6 @@
-// KDA's per-token elementwise steps on either side of the recurrence (glm_lightning/model/kda_fused.py: KDAFeatures,
-// GatedHeadNorm) as CPU ops, one pass over the tokens each way. Per token row r, with H heads of size K:
-//
-// The features, between the short conv and the recurrence (a = exp(A_log)):
+// KDA's features between the short conv and the recurrence (glm_lightning/model/kda_fused.py: KDAFeatures) as two
+// CPU ops, one pass over the tokens each way (the gated output norm after the recurrence is csrc/rms_norm.cpp's).
+// Per token row r, with H heads of size K and a = exp(A_log):
 //   qk[r, i, :] = u / (max(|u|, 1e-6) rescale[i]),  u = y[r, iK : (i+1)K]   i < 2H (q heads, then k heads)
 //   g[r, j]     = lb sigmoid(a[j / K] f[r, j])                               j < HK
 //   beta[r, h]  = sigmoid(b[r, h])                                           (v is y's last HK columns, a view)
@@ -11,17 +10,11 @@
 //   du = (dqk - x <x, dqk>) / (max(|u|, 1e-6) rescale),  x = u / |u| (0 where the norm is clamped)
 //   dz = lb dg s (1 - s), s = sigmoid(a f):  df = a dz,  dA_log[h] = a[h] sum_{r, k} dz f,  db = dbeta beta (1 - beta)
 //
-// The gated output norm, after the recurrence: per head, xh = o rstd, rstd = 1 / sqrt(|o|^2 / K + eps),
-//   out = xh w sigmoid(gate)
-// gated_head_norm(o [R, HK], gate [R, HK], w [K], eps) -> out [R, HK]
-// gated_head_norm_backward(dout, o, gate, w, eps) -> (do, dgate, dw [K]), with sg = sigmoid(gate), dn = dout sg w:
-//   dgate = dout xh w sg (1 - sg),  dw = sum_r dout sg xh,  do = rstd (dn - xh <dn, xh> / K)
-//
-// Why: as ATen ops these were ~22 forward and ~28 backward per layer over small [B, T, HK]-sized tensors, which the
+// Why: as ATen ops these were ~14 forward and ~18 backward per layer over small [B, T, HK]-sized tensors, which the
 // dispatch-bound study model pays for in overhead, not arithmetic. Each token row is one function over __restrict
 // pointers (written inline in the ops' lambdas, whose captured pointers may alias the outputs, the loops ran ~3x
-// slower), its head-channel sums `omp simd` reductions. The parameter gradients (dA_log, dw) sum fixed
-// blocks of rows and then the blocks in order, so their values do not depend on the thread count.
+// slower), its head-channel sums `omp simd` reductions. dA_log sums fixed blocks of rows and then the blocks in order,
+// so its value does not depend on the thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -34,35 +27,13 @@
 
 namespace {
 
-using glm_lightning_ops::exp_;
+using glm_lightning_ops::as_rows;
+using glm_lightning_ops::dot_;
+using glm_lightning_ops::kRowBlock;
+using glm_lightning_ops::sigmoid_;
+using glm_lightning_ops::sum_squares;
 
 constexpr double kL2Eps = 1e-6;      // as F.normalize (kda_fused._L2_EPS)
-constexpr int64_t kRowBlock = 64;    // rows per parallel task (and per partial sum of the parameter gradients)
-
-template <typename T>
-inline T sigmoid_(T z) {
-  return T(1) / (T(1) + exp_(-z));
-}
-
-template <typename T>
-inline T sum_squares(const T* __restrict u, int64_t K) {
-  T ss = 0;
-  _Pragma("omp simd reduction(+ : ss)") for (int64_t k = 0; k < K; ++k) ss += u[k] * u[k];
-  return ss;
-}
-
-template <typename T>
-inline T dot_(const T* __restrict u, const T* __restrict v, int64_t K) {
-  T s = 0;
-  _Pragma("omp simd reduction(+ : s)") for (int64_t k = 0; k < K; ++k) s += u[k] * v[k];
-  return s;
-}
-
-at::Tensor rows(const at::Tensor& t, int64_t R, int64_t width, const char* name) {
-  TORCH_CHECK(t.numel() == R * width, name, " must hold ", R, " rows of ", width, ", got ", t.sizes());
-  return t.reshape({R, width}).contiguous();
-}
-
 // ---- the features ------------------------------------------------------------------------------------------------
 template <typename T>
 void features_row(const T* __restrict y, const T* __restrict f, const T* __restrict b, const T* __restrict a,
@@ -122,7 +93,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_features(const at::Tensor& y_
   TORCH_CHECK(H >= 1 && rescale_in.numel() == 2 * H, "a must be [H] and rescale [2H]");
   TORCH_CHECK(y_in.size(-1) % (3 * H) == 0, "y's last dim must be 3 H K");
   const int64_t K = y_in.size(-1) / (3 * H), R = y_in.numel() / (3 * H * K), HK = H * K;
-  const at::Tensor y = rows(y_in, R, 3 * HK, "y"), f = rows(f_in, R, HK, "f"), b = rows(b_in, R, H, "b");
+  const at::Tensor y = as_rows(y_in, R, 3 * HK, "y"), f = as_rows(f_in, R, HK, "f"),
+                   b = as_rows(b_in, R, H, "b");
   const at::Tensor a = a_in.contiguous(), rescale = rescale_in.reshape({2 * H}).contiguous();
   for (const at::Tensor* t : {&f, &b, &a, &rescale})
     TORCH_CHECK(t->scalar_type() == y.scalar_type(), "all inputs must have y's dtype");
@@ -150,9 +122,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kda_features_backward
   const int64_t H = a_in.numel();
   TORCH_CHECK(H >= 1 && rescale_in.numel() == 2 * H && y_in.size(-1) % (3 * H) == 0, "bad sizes");
   const int64_t K = y_in.size(-1) / (3 * H), R = y_in.numel() / (3 * H * K), HK = H * K;
-  const at::Tensor y = rows(y_in, R, 3 * HK, "y"), f = rows(f_in, R, HK, "f"), beta = rows(beta_in, R, H, "beta");
-  const at::Tensor dq = rows(dq_in, R, HK, "dq"), dk = rows(dk_in, R, HK, "dk"), dv = rows(dv_in, R, HK, "dv"),
-                   dg = rows(dg_in, R, HK, "dg"), dbeta = rows(dbeta_in, R, H, "dbeta");
+  const at::Tensor y = as_rows(y_in, R, 3 * HK, "y"), f = as_rows(f_in, R, HK, "f"),
+                   beta = as_rows(beta_in, R, H, "beta");
+  const at::Tensor dq = as_rows(dq_in, R, HK, "dq"), dk = as_rows(dk_in, R, HK, "dk"),
+                   dv = as_rows(dv_in, R, HK, "dv"), dg = as_rows(dg_in, R, HK, "dg"),
+                   dbeta = as_rows(dbeta_in, R, H, "dbeta");
   const at::Tensor a = a_in.contiguous(), rescale = rescale_in.reshape({2 * H}).contiguous();
   for (const at::Tensor* t : {&f, &beta, &dq, &dk, &dv, &dg, &dbeta, &a, &rescale})
     TORCH_CHECK(t->scalar_type() == y.scalar_type(), "all inputs must have y's dtype");
@@ -179,99 +153,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kda_features_backward
   return {dy, df, db, partial.sum(0) * a};
 }
 
-// ---- the gated output norm ---------------------------------------------------------------------------------------
-template <typename T>
-void gated_norm_row(const T* __restrict o, const T* __restrict gate, const T* __restrict w, T eps, int64_t HK,
-                    int64_t K, T* __restrict out) {
-  for (int64_t j0 = 0; j0 < HK; j0 += K) {
-    const T rstd = T(1) / std::sqrt(sum_squares(o + j0, K) / K + eps);
-    for (int64_t k = 0; k < K; ++k) out[j0 + k] = o[j0 + k] * rstd * w[k] * sigmoid_(gate[j0 + k]);
-  }
-}
-
-// One row's do and dgate; adds its dout sg xh into dw [K]. xh, dn: [K] scratch.
-template <typename T>
-void gated_norm_row_backward(const T* __restrict dout, const T* __restrict o, const T* __restrict gate,
-                             const T* __restrict w, T eps, int64_t HK, int64_t K, T* __restrict d_o,
-                             T* __restrict dgate, T* __restrict dw, T* __restrict xh, T* __restrict dn) {
-  for (int64_t j0 = 0; j0 < HK; j0 += K) {
-    const T rstd = T(1) / std::sqrt(sum_squares(o + j0, K) / K + eps);
-    for (int64_t k = 0; k < K; ++k) {
-      const T sg = sigmoid_(gate[j0 + k]), x = o[j0 + k] * rstd, d = dout[j0 + k] * sg;
-      xh[k] = x;
-      dgate[j0 + k] = dout[j0 + k] * x * w[k] * sg * (T(1) - sg);
-      dw[k] += d * x;
-      dn[k] = d * w[k];
-    }
-    const T c = dot_(dn, xh, K) / K;
-    for (int64_t k = 0; k < K; ++k) d_o[j0 + k] = (dn[k] - xh[k] * c) * rstd;
-  }
-}
-
-at::Tensor gated_head_norm(const at::Tensor& o_in, const at::Tensor& gate_in, const at::Tensor& w_in, double eps) {
-  TORCH_CHECK(o_in.scalar_type() == at::kFloat || o_in.scalar_type() == at::kDouble, "fp32 or fp64 only");
-  const int64_t K = w_in.numel();
-  TORCH_CHECK(K >= 1 && o_in.dim() >= 2 && o_in.size(-1) == K && o_in.numel() == gate_in.numel(),
-              "o [.., H, K], gate [.., HK], w [K]");
-  const int64_t HK = o_in.size(-1) * o_in.size(-2), R = o_in.numel() / HK;
-  const at::Tensor o = rows(o_in, R, HK, "o"), gate = rows(gate_in, R, HK, "gate"), w = w_in.contiguous();
-  TORCH_CHECK(gate.scalar_type() == o.scalar_type() && w.scalar_type() == o.scalar_type(), "dtypes differ");
-  at::Tensor out = at::empty({R, HK}, o.options());
-  AT_DISPATCH_FLOATING_TYPES(o.scalar_type(), "gated_head_norm", [&] {
-    using T = scalar_t;
-    const T *op = o.data_ptr<T>(), *gp = gate.data_ptr<T>(), *wp = w.data_ptr<T>();
-    T* yp = out.data_ptr<T>();
-    const T e = static_cast<T>(eps);
-    at::parallel_for(0, R, kRowBlock, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) gated_norm_row<T>(op + r * HK, gp + r * HK, wp, e, HK, K, yp + r * HK);
-    });
-  });
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_head_norm_backward(const at::Tensor& dy_in, const at::Tensor& o_in,
-                                                                        const at::Tensor& gate_in,
-                                                                        const at::Tensor& w_in, double eps) {
-  const int64_t K = w_in.numel();
-  TORCH_CHECK(K >= 1 && o_in.dim() >= 2 && o_in.size(-1) == K && o_in.numel() == gate_in.numel(),
-              "o [.., H, K], gate [.., HK], w [K]");
-  const int64_t HK = o_in.size(-1) * o_in.size(-2), R = o_in.numel() / HK;
-  const at::Tensor o = rows(o_in, R, HK, "o"), gate = rows(gate_in, R, HK, "gate"), dy = rows(dy_in, R, HK, "dy"),
-                   w = w_in.contiguous();
-  TORCH_CHECK(gate.scalar_type() == o.scalar_type() && w.scalar_type() == o.scalar_type() &&
-              dy.scalar_type() == o.scalar_type(), "dtypes differ");
-  at::Tensor d_o = at::empty({R, HK}, o.options()), dgate = at::empty({R, HK}, o.options());
-  const int64_t blocks = (R + kRowBlock - 1) / kRowBlock;
-  at::Tensor partial = at::zeros({blocks, K}, o.options());
-  AT_DISPATCH_FLOATING_TYPES(o.scalar_type(), "gated_head_norm_backward", [&] {
-    using T = scalar_t;
-    const T *op = o.data_ptr<T>(), *gp = gate.data_ptr<T>(), *wp = w.data_ptr<T>(), *dyp = dy.data_ptr<T>();
-    T *dop = d_o.data_ptr<T>(), *dgp = dgate.data_ptr<T>(), *pp = partial.data_ptr<T>();
-    const T e = static_cast<T>(eps);
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<T> scratch(2 * K);
-      for (int64_t blk = b0; blk < b1; ++blk)
-        for (int64_t r = blk * kRowBlock; r < std::min(R, (blk + 1) * kRowBlock); ++r)
-          gated_norm_row_backward<T>(dyp + r * HK, op + r * HK, gp + r * HK, wp, e, HK, K, dop + r * HK,
-                                     dgp + r * HK, pp + blk * K, scratch.data(), scratch.data() + K);
-    });
-  });
-  return {d_o, dgate, partial.sum(0)};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("kda_features(Tensor y, Tensor f, Tensor b, Tensor a, Tensor rescale, float lb) -> (Tensor, Tensor, Tensor)");
   m.def("kda_features_backward(Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor y, Tensor f, "
         "Tensor beta, Tensor a, Tensor rescale, float lb) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("gated_head_norm(Tensor o, Tensor gate, Tensor w, float eps) -> Tensor");
-  m.def("gated_head_norm_backward(Tensor dy, Tensor o, Tensor gate, Tensor w, float eps) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
   m.impl("kda_features", &kda_features);
   m.impl("kda_features_backward", &kda_features_backward);
-  m.impl("gated_head_norm", &gated_head_norm);
-  m.impl("gated_head_norm_backward", &gated_head_norm_backward);
 }

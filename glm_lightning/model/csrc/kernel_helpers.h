@@ -1,6 +1,8 @@
 // Helpers shared by the C++ ops of csrc/ (one translation unit includes them all, so each lives here once).
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -85,5 +87,35 @@ inline float exp_(float x) {
   return tiny ? 0.f : p * scale;
 }
 inline double exp_(double x) { return std::exp(x); }
+
+template <typename T>
+inline T sigmoid_(T z) {
+  return T(1) / (T(1) + exp_(-z));
+}
+
+// Sums over a row's K values as `omp simd` reductions (vectorised; without it a scalar `s += ...` loop stays scalar).
+template <typename T>
+inline T sum_squares(const T* __restrict u, int64_t K) {
+  T ss = 0;
+  _Pragma("omp simd reduction(+ : ss)") for (int64_t k = 0; k < K; ++k) ss += u[k] * u[k];
+  return ss;
+}
+
+template <typename T>
+inline T dot_(const T* __restrict u, const T* __restrict v, int64_t K) {
+  T s = 0;
+  _Pragma("omp simd reduction(+ : s)") for (int64_t k = 0; k < K; ++k) s += u[k] * v[k];
+  return s;
+}
+
+// Token rows per parallel task in the row-wise ops, and per partial sum of their parameter gradients (fixed blocks,
+// summed in order: the gradients do not depend on the thread count).
+constexpr int64_t kRowBlock = 64;
+
+// t as a contiguous [R, width] (a view when it already is one; else one copy).
+inline at::Tensor as_rows(const at::Tensor& t, int64_t R, int64_t width, const char* name) {
+  TORCH_CHECK(t.numel() == R * width, name, " must hold ", R, " rows of ", width, ", got ", t.sizes());
+  return t.reshape({R, width}).contiguous();
+}
 
 }  // namespace glm_lightning_ops
