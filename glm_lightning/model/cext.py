@@ -8,8 +8,10 @@ decode step (short conv and delta rule, in place on the cache) and x @ W^T for e
 repacks the whole weight per call). Training adds two that keep a whole computation in cache instead of writing many
 intermediate tensors: KDA's core as the per-token recurrence (each head's state in registers, csrc/kda_recurrent.cpp)
 and an mHC site's read (norm, projection, gates and read in one pass over the streams, csrc/site_read.cpp); KDA's
-short conv + SiLU, the experts' SwiGLU and the grouped experts' row moves are one pass each way too
-(csrc/short_conv.cpp, csrc/swiglu.cpp, csrc/moe_rows.cpp). No ninja and no pybind: one g++ call on one translation
+short conv + SiLU, its features (q/k norms, gates) and gated output norm, every RMSNorm, the experts' SwiGLU, the MoE
+routing (selection, gates, balance loss, assignment rows) and the grouped experts' row moves are one pass each way too
+(csrc/short_conv.cpp, csrc/kda_pointwise.cpp, csrc/rms_norm.cpp, csrc/swiglu.cpp, csrc/moe_route.cpp,
+csrc/moe_rows.cpp). No ninja and no pybind: one g++ call on one translation
 unit that includes every source, with torch's headers, registering the ops through TORCH_LIBRARY (schema
 `glm_lightning::...`).
 
