@@ -23,9 +23,21 @@
 
 #include <algorithm>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
+
+// (S_n, <s[n], coef[b(n)]>) of one token's scores: the balance loss's two sums, forward and backward alike.
+template <typename T>
+std::pair<T, T> balance_sums(const T* sn, const T* cb, int64_t E) {
+  T S = 0, dot = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    S += sn[e];
+    dot += sn[e] * cb[e];
+  }
+  return {S, dot};
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
     const at::Tensor& s_in, const at::Tensor& bias_in, int64_t K, double scale, int64_t B, double alpha) {
@@ -89,13 +101,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       for (int64_t i = 0; i < B * E; ++i) cp[i] *= c;
       T acc = 0;
       for (int64_t n = 0; n < N; ++n) {
-        const T* sn = sp + n * E;
-        const T* cb = cp + (n / T_) * E;
-        T S = 0, dot = 0;
-        for (int64_t e = 0; e < E; ++e) {
-          S += sn[e];
-          dot += sn[e] * cb[e];
-        }
+        const auto [S, dot] = balance_sums(sp + n * E, cp + (n / T_) * E, E);
         acc += dot / S;
       }
       aux.fill_(acc);
@@ -122,13 +128,8 @@ at::Tensor moe_route_backward(const at::Tensor& dw_in, const at::Tensor& daux, c
       const int64_t B = coef.size(0), T_ = N / B;
       const T da = daux.item<T>();
       for (int64_t n = 0; n < N; ++n) {
-        const T* sn = sp + n * E;
         const T* cb = cp + (n / T_) * E;
-        T S = 0, dot = 0;
-        for (int64_t e = 0; e < E; ++e) {
-          S += sn[e];
-          dot += sn[e] * cb[e];
-        }
+        const auto [S, dot] = balance_sums(sp + n * E, cb, E);
         for (int64_t e = 0; e < E; ++e) dsp[n * E + e] = da * (cb[e] / S - dot / (S * S));
       }
     }
