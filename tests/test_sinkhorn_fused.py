@@ -163,19 +163,22 @@ def test_fused_every_compiled_stream_count_and_the_saved_softmax(n):
 
 def test_more_streams_than_the_ops_take_run_the_eager_paths():
     """9 streams: Sinkhorn falls back to the eager form (and refuses an explicit fused=True); a 7-stream site (past the
-    C++ site read's 6) reads through the eager mappings instead of failing."""
-    from glm_lightning.model.mhc import SINKHORN_MAX_STREAMS, HyperConnection
+    C++ site read's 6) reads through the eager mappings, and a 9-stream site (past the C++ stream ops' 8) reads and
+    writes through the eager forms, forward and backward, instead of failing."""
+    from glm_lightning.model.mhc import HyperConnection
 
     logits = torch.randn(3, 9, 9)
-    assert SINKHORN_MAX_STREAMS == 8
     torch.testing.assert_close(sinkhorn_knopp(logits), sinkhorn_knopp(logits, fused=False))
     with pytest.raises(ValueError, match="at most 8 streams"):
         sinkhorn_knopp(logits, fused=True)
     with pytest.raises(RuntimeError, match="1 to 8 streams"):
         torch.ops.glm_lightning.sinkhorn(logits, 20, 1e-6)
-    site = HyperConnection(n=7, dim=4, iters=3)
-    x = torch.randn(2, 3, 7, 4, requires_grad=True)
-    h, (post, res) = site.read(x)
-    assert h.shape == (2, 3, 4) and res.shape == (2, 3, 7, 7)
-    (h.sum() + res.sum()).backward()
-    assert x.grad is not None and site.phi.grad is not None
+    for n in (7, 9):
+        site = HyperConnection(n=n, dim=4, iters=3)
+        x = torch.randn(2, 3, n, 4, requires_grad=True)
+        h, maps = site.read(x)
+        assert h.shape == (2, 3, 4) and maps[1].shape == (2, 3, n, n)
+        out = site.write(x, maps, torch.tanh(h))
+        assert out.shape == x.shape
+        out.sum().backward()
+        assert x.grad is not None and site.phi.grad is not None

@@ -140,7 +140,7 @@ class KDAFeaturesCpp(torch.autograd.Function):
 
 
 class GatedHeadNormCpp(torch.autograd.Function):
-    """:class:`GatedHeadNorm` as the C++ ops of csrc/kda_pointwise.cpp: one pass each way (the rstd and the gate
+    """:class:`GatedHeadNorm` as the C++ ops of csrc/rms_norm.cpp (its row norm with a gate): one pass each way (the rstd and the gate
     sigmoid recomputed in the backward) instead of ~8 and ~10 ATen ops per layer. Same inputs and outputs."""
 
     @staticmethod

@@ -94,8 +94,9 @@ class _SinkhornFused(torch.autograd.Function):
         return torch.ops.glm_lightning.sinkhorn_backward(grad, soft, ctx.iters, ctx.eps), None, None
 
 
-SINKHORN_MAX_STREAMS = 8
-"""The C++ Sinkhorn op's limit (csrc/sinkhorn.cpp is compiled for each stream count); more runs the eager form."""
+CPP_MAX_STREAMS = 8
+"""The C++ Sinkhorn and stream read/write ops' limit (kMaxStreams, csrc/kernel_helpers.h: Sinkhorn is compiled for
+each stream count); a site with more streams runs their eager forms."""
 SITE_READ_MAX_STREAMS = 6
 """The C++ site read's limit (csrc/site_read.cpp: at most 64 logits, (2 + n) n); more runs the eager mappings."""
 
@@ -117,10 +118,10 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20, eps: float = 1e-6,
     flat = logits.reshape(-1, *shape[-2:])
     if fused and not cext.available():
         raise RuntimeError("the C++ Sinkhorn op is not available (see glm_lightning/model/cext.py)")
-    if fused and shape[-1] > SINKHORN_MAX_STREAMS:
-        raise ValueError(f"the C++ Sinkhorn op takes at most {SINKHORN_MAX_STREAMS} streams, got {shape[-1]}")
+    if fused and shape[-1] > CPP_MAX_STREAMS:
+        raise ValueError(f"the C++ Sinkhorn op takes at most {CPP_MAX_STREAMS} streams, got {shape[-1]}")
     use_fused = ((cext.available() if fused is None else fused) and flat.device.type == "cpu"
-                 and shape[-1] <= SINKHORN_MAX_STREAMS)
+                 and shape[-1] <= CPP_MAX_STREAMS)
     return (_SinkhornFused if use_fused else _Sinkhorn).apply(flat, iters, eps).view(shape)
 
 
@@ -274,6 +275,10 @@ class HyperConnection(nn.Module):
         res = sinkhorn_knopp(logits[..., 2 * n:].unflatten(-1, (n, n)), self.iters, self.eps)
         return pre, post, res
 
+    def _stream_ops(self, x: torch.Tensor) -> bool:
+        """Whether the stream read / write run as the C++ ops of csrc/streams.cpp (at most CPP_MAX_STREAMS streams)."""
+        return self.n <= CPP_MAX_STREAMS and cext.takes(x)
+
     def _fused_read(self, x: torch.Tensor) -> bool:
         """Whether `read` runs as one `SiteReadFused` (C++ ops built, fp32/fp64 on CPU) instead of `mappings` + read."""
         return self.n <= SITE_READ_MAX_STREAMS and cext.takes(x, self.phi)
@@ -287,7 +292,7 @@ class HyperConnection(nn.Module):
             h, post, res = SiteReadFused.apply(x.reshape(-1, self.n, self.dim), self.phi, self.alpha, self.bias, self)
             return h.view(*lead, self.dim), (post.view(*lead, self.n), res.view(*lead, self.n, self.n))
         pre, post, res = (m if m.dtype == x.dtype else m.to(x.dtype) for m in self.mappings(x))
-        return (StreamReadFused.apply(pre, x) if cext.takes(x) else read_streams(pre, x)), (post, res)
+        return (StreamReadFused.apply(pre, x) if self._stream_ops(x) else read_streams(pre, x)), (post, res)
 
     def write(self, x: torch.Tensor, maps: tuple[torch.Tensor, torch.Tensor] | None, y: torch.Tensor) -> torch.Tensor:
         """x_next = H_res x + H_post^T y, for the sub-layer output y [B,T,C] and `maps` from `read`."""
@@ -295,7 +300,7 @@ class HyperConnection(nn.Module):
         if maps is None:
             return x + y.unsqueeze(-2)
         post, res = maps
-        return (StreamWriteFused if cext.takes(x) else StreamWrite).apply(res, x, post, y)
+        return (StreamWriteFused if self._stream_ops(x) else StreamWrite).apply(res, x, post, y)
 
     def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """x_next for the sub-layer F = `sublayer` (read, F, write in one call)."""

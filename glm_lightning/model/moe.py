@@ -307,8 +307,12 @@ class MoE(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Route tokens ``x`` [..., d]: returns fp32 scores ``s`` [..., E], expert ids ``idx`` [..., K] and fp32 gate
         weights ``w`` [..., K] (unbiased ``s`` of the chosen experts, renormalised when K > 1, times the scaling)."""
-        s = torch.sigmoid(linear(_f32(x), _f32(self.router_weight)))
+        s = self._scores(x)
         return (s, *self._select(s))
+
+    def _scores(self, x: Tensor) -> Tensor:
+        """The router's fp32 affinities s = sigmoid(x W_r^T) [..., E]."""
+        return torch.sigmoid(linear(_f32(x), _f32(self.router_weight)))
 
     def _select(self, s: Tensor) -> tuple[Tensor, Tensor]:
         """(idx, w) for the scores s [..., E]: the eager form of the selection and gates of :meth:`route`."""
@@ -382,7 +386,7 @@ class MoE(nn.Module):
         B, T, d = x.shape
         xf = x.reshape(B * T, d)
         with_aux = want_aux and self.balance_loss_weight > 0 and B * T > 0
-        s = torch.sigmoid(linear(_f32(xf), _f32(self.router_weight)))
+        s = self._scores(xf)
         rows = None
         if B * T > 0 and cext.takes(s):
             w, aux, idx, counts_t, *rows = _Routing.apply(s, self.expert_bias, self.top_k, self.routed_scaling, B,

@@ -8,9 +8,8 @@
 // and a block's n * n rows stay in vector registers through all half steps (with a runtime n they went through memory
 // on each, ~5x slower).
 //
-// The forward returns the row softmax with the result; the backward starts from it (no exp to redo: glibc's scalar
-// exp was most of the recomputed forward), recomputes the half steps keeping their 2 * iters - 1 denominators, and
-// walks them back carrying P = dL/dm * m:  P_in = P_out - sum_dim(P_out) * m_out,  m_in = m_out * d.
+// The forward returns the row softmax with the result; the backward starts from it (no scalar exp to redo),
+// recomputes the half steps keeping their 2 * iters - 1 denominators, and walks them back carrying P = dL/dm * m:  P_in = P_out - sum_dim(P_out) * m_out,  m_in = m_out * d.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
