@@ -15,6 +15,7 @@ from glm_lightning.model.dsa import (
     SparseAttention,
     indexer_kl_loss,
     lightning_index_scores,
+    single_query_attention,
     topk_mask,
     topk_select,
 )
@@ -349,6 +350,22 @@ def test_prefill_plus_decode_equals_full_forward(T: int, gather: bool, splits: l
             got = run_cached(m, x, v, splits)
             ok = slice(None) if v is None else v
             assert torch.allclose(got[ok], full[ok], atol=ATOL), (got[ok] - full[ok]).abs().max()
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_single_query_attention_equals_sdpa(n_kv_heads: int) -> None:
+    """The decode step's attention (two bmm and a masked softmax) equals SDPA with the boolean mask, for GQA groups,
+    keys and values that are strided slices of a longer cache buffer, and a row that keeps a single key."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, S, D = 3, 4, 11, 8
+    q = torch.randn(B, 1, H, D, generator=gen).transpose(1, 2)  # [B, H, 1, D] as the layer makes it
+    k = torch.randn(B, n_kv_heads, 20, D, generator=gen)[:, :, :S]
+    v = torch.randn(B, n_kv_heads, 20, D, generator=gen)[:, :, :S]
+    mask = torch.rand(B, 1, S, generator=gen) > 0.4
+    mask[0] = False
+    mask[0, 0, 5] = True
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=n_kv_heads != H)
+    torch.testing.assert_close(single_query_attention(q, k, v, mask), ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("gather", [False, True])

@@ -336,7 +336,8 @@ def test_inference_weight_cache_follows_parameter_updates():
     torch.optim.SGD(layer.parameters(), lr=0.5).step()
     with torch.no_grad():
         after_step = layer(x)[0]
-    torch.testing.assert_close(after_step, layer(x)[0].detach(), rtol=0, atol=1e-6)
+    # no_grad runs the few-row linears through small_matmul, autograd through mm: equal up to float rounding
+    torch.testing.assert_close(after_step, layer(x)[0].detach(), rtol=1e-4, atol=1e-5)
     other = _layer(seed=11)
     layer.load_state_dict(other.state_dict())
     with torch.no_grad():

@@ -6,7 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import glm_lightning.model.linear as linear_mod
+from glm_lightning.model import cext
 from glm_lightning.model.linear import linear
+
+needs_cext = pytest.mark.skipif(not cext.available(), reason="C++ ops not built")
 
 
 @pytest.mark.parametrize("shape", [(5, 7), (2, 9, 7), (2, 3, 4, 7)])
@@ -43,8 +47,10 @@ def test_linear_gradcheck_fp64_and_frozen_parts():
 @pytest.mark.parametrize("shape", [(5, 7), (2, 9, 7), (4, 1, 7)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_no_grad_path_is_f_linear_bit_for_bit(shape, with_bias, contiguous):
-    """Without autograd (decoding) linear calls mm/addmm itself: the same values as F.linear, exactly."""
+def test_no_grad_path_is_f_linear_bit_for_bit(shape, with_bias, contiguous, monkeypatch):
+    """Without autograd linear calls mm/addmm itself (above SMALL_ROWS rows, forced here): the same values as
+    F.linear, exactly."""
+    monkeypatch.setattr(linear_mod, "SMALL_ROWS", 0)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen)
     x = x[..., ::2] if not contiguous else x[..., : shape[-1]].contiguous()
@@ -54,3 +60,30 @@ def test_no_grad_path_is_f_linear_bit_for_bit(shape, with_bias, contiguous):
         y = linear(x, w, b)
     assert y.shape == (*shape[:-1], 6)
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=0, atol=0)
+
+
+@needs_cext
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("size", [(6, 7), (37, 50), (768, 192)])  # (out, in): off and on the 16-float lanes
+def test_no_grad_few_rows_take_small_matmul(with_bias, size, monkeypatch):
+    """Without autograd, fp32 calls of at most SMALL_ROWS rows run glm_lightning::small_matmul (decode steps): within
+    1e-5 of F.linear, and each row's values are the same bit for bit whatever the other rows of the call are (the
+    op sums a row in one order), which BLAS does not promise. One row more runs mm: F.linear exactly."""
+    n_out, n_in = size
+    gen = torch.Generator().manual_seed(2)
+    rows = linear_mod.SMALL_ROWS
+    x = torch.randn(rows + 1, 2 * n_in, generator=gen)[:, ::2]  # strided rows, as a decode step's slices can be
+    w = torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5  # outputs of order 1, as in the model
+    b = torch.randn(n_out, generator=gen) if with_bias else None
+    calls = []
+    real = torch.ops.glm_lightning.small_matmul
+    monkeypatch.setattr(linear_mod, "_small_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a),
+                        raising=True)
+    with torch.no_grad():
+        y = linear(x[:rows], w, b)
+        torch.testing.assert_close(y, F.linear(x[:rows], w, b), rtol=1e-5, atol=1e-5)
+        for m in (1, 3, 4, 5, rows - 1):
+            assert torch.equal(linear(x[rows - m:rows].unsqueeze(0), w, b)[0], y[rows - m:])
+        assert calls == [rows, 1, 3, 4, 5, rows - 1]
+        torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
+        assert len(calls) == 6

@@ -256,23 +256,29 @@ needs_cext = pytest.mark.skipif(not __import__("glm_lightning.model.cext", froml
 
 
 @needs_cext
-@pytest.mark.parametrize("shape", [(4, 5, 192, 768), (3, 16, 20, 7), (2, 9, 33, 12)])  # (E, M, in, out)
+@pytest.mark.parametrize("shape", [(4, 5, 192, 768), (3, 16, 20, 7), (2, 9, 33, 12), (10, 9, 40, 21)])
 def test_small_matmul_equals_bmm_on_the_real_rows(shape):
-    """glm_lightning::small_matmul (csrc/small_matmul.cpp) equals x @ W^T per matrix on the first counts[e] rows and
-    writes zeros on the padding rows, for sizes on and off its 16-float lanes and 4-row blocks (empty matrix too)."""
+    """glm_lightning::small_matmul (csrc/small_matmul.cpp) equals x @ W^T (+ bias) per matrix on the first counts[e]
+    rows and writes zeros on the padding rows, for sizes on and off its 16-float lanes and 4-row blocks (the last
+    shape has every count 0..9, so every leading block size); counts None takes every row."""
     E, M, n_in, n_out = shape
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(E, M, n_in, generator=gen)
-    W = torch.randn(E, n_out, n_in, generator=gen)
-    counts = torch.randint(0, M + 1, (E,), generator=gen)
+    W = torch.randn(E, n_out, n_in, generator=gen) * n_in ** -0.5
+    bias = torch.randn(E, n_out, generator=gen)
+    counts = torch.arange(E) if E > M else torch.randint(0, M + 1, (E,), generator=gen)
     counts[0], counts[-1] = M, 0
-    y = torch.ops.glm_lightning.small_matmul(x, W, counts)
     ref = torch.bmm(x, W.transpose(1, 2))
-    for e, c in enumerate(counts.tolist()):
-        torch.testing.assert_close(y[e, :c], ref[e, :c], rtol=1e-5, atol=1e-5)
-        assert torch.count_nonzero(y[e, c:]) == 0
+    for b in (None, bias):
+        y = torch.ops.glm_lightning.small_matmul(x, W, counts, b)
+        for e, c in enumerate(counts.tolist()):
+            torch.testing.assert_close(y[e, :c], ref[e, :c] + (0 if b is None else b[e]), rtol=1e-5, atol=1e-5)
+            assert torch.count_nonzero(y[e, c:]) == 0
+    torch.testing.assert_close(torch.ops.glm_lightning.small_matmul(x, W), ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="counts"):
         torch.ops.glm_lightning.small_matmul(x, W, torch.full((E,), M + 1))
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.glm_lightning.small_matmul(x, W, counts, bias[0])
 
 
 @needs_cext
