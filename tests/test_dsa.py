@@ -352,20 +352,59 @@ def test_prefill_plus_decode_equals_full_forward(T: int, gather: bool, splits: l
             assert torch.allclose(got[ok], full[ok], atol=ATOL), (got[ok] - full[ok]).abs().max()
 
 
+def _decode_paths() -> list[str]:
+    """The decode-step ops' paths: eager (autograd on), and the C++ ops of csrc/decode_attention.cpp when built."""
+    from glm_lightning.model import cext
+    return ["eager", "cpp"] if cext.available() else ["eager"]
+
+
+@pytest.mark.parametrize("path", _decode_paths())
+@pytest.mark.parametrize("D,S", [(8, 11), (32, 37)])  # the C++ op's scalar dots and its 16-key blocks
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
-def test_single_query_attention_equals_sdpa(n_kv_heads: int) -> None:
-    """The decode step's attention (two bmm and a masked softmax) equals SDPA with the boolean mask, for GQA groups,
-    keys and values that are strided slices of a longer cache buffer, and a row that keeps a single key."""
+def test_single_query_attention_equals_sdpa(n_kv_heads: int, D: int, S: int, path: str) -> None:
+    """The decode step's attention equals SDPA with the boolean mask, for GQA groups, keys and values that are
+    strided slices of a longer cache buffer, and a row that keeps a single key: as the C++ op (no autograd) and as two
+    bmm and a masked softmax (autograd on, which also reaches q, k and v)."""
     gen = torch.Generator().manual_seed(3)
-    B, H, S, D = 3, 4, 11, 8
+    B, H = 3, 4
     q = torch.randn(B, 1, H, D, generator=gen).transpose(1, 2)  # [B, H, 1, D] as the layer makes it
-    k = torch.randn(B, n_kv_heads, 20, D, generator=gen)[:, :, :S]
-    v = torch.randn(B, n_kv_heads, 20, D, generator=gen)[:, :, :S]
+    k = torch.randn(B, n_kv_heads, S + 9, D, generator=gen)[:, :, :S]
+    v = torch.randn(B, n_kv_heads, S + 9, D, generator=gen)[:, :, :S]
     mask = torch.rand(B, 1, S, generator=gen) > 0.4
     mask[0] = False
     mask[0, 0, 5] = True
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=n_kv_heads != H)
-    torch.testing.assert_close(single_query_attention(q, k, v, mask), ref, rtol=1e-5, atol=1e-6)
+    if path == "cpp":
+        got = torch.ops.glm_lightning.single_query_attention(q.reshape(B, H, D), k, v, mask.view(B, S), D ** -0.5)
+        torch.testing.assert_close(got.view(B, H, 1, D), ref, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():  # and the layer's function takes it
+            torch.testing.assert_close(single_query_attention(q, k, v, mask), got.view(B, H, 1, D), rtol=0, atol=0)
+    else:
+        qg = q.detach().requires_grad_()
+        got = single_query_attention(qg, k, v, mask)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        got.sum().backward()
+        assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+@pytest.mark.parametrize("path", _decode_paths())
+def test_decode_step_index_scores_follow_the_formula(path: str) -> None:
+    """One query per row (a decode step) against strided cached indexer keys: the C++ op (no autograd) and the bmm
+    form (autograd on) equal the formula sum_j w_j ReLU(q_j . k_s), for 16-key blocks and a partial one."""
+    gen = torch.Generator().manual_seed(4)
+    B, HI, DI, S = 3, 4, 32, 37
+    q = torch.randn(B, HI, 1, DI, generator=gen)
+    w = torch.randn(B, 1, HI, generator=gen)
+    k = torch.randn(B, S + 5, DI, generator=gen)[:, :S]
+    ref = (torch.einsum("bjd,bsd->bjs", q[:, :, 0], k).relu() * w[:, 0, :, None]).sum(1, keepdim=True)
+    if path == "cpp":
+        with torch.no_grad():
+            got = lightning_index_scores(q, w, k)
+    else:
+        got = lightning_index_scores(q.requires_grad_(), w, k)
+        got.sum().backward()
+        assert q.grad is not None
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("gather", [False, True])

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.linear import linear
 from glm_lightning.model.norm import RMSNorm
@@ -123,12 +124,21 @@ class DSACache:
 # ------------------------------------------------------------------------------------------------------------------
 # functional pieces (public so that tests and later layers, e.g. IndexShare, can reuse them)
 # ------------------------------------------------------------------------------------------------------------------
+def _decode_op(*tensors: torch.Tensor) -> bool:
+    """Whether a decode step's indexer scores / attention run as the C++ ops of csrc/decode_attention.cpp: fp32 on the
+    CPU, ops built, and nothing to differentiate (the ops have no backward)."""
+    return (not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and cext.takes(*tensors, fp64=False))
+
+
 def lightning_index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``I[b, t, s] = sum_j w[b, t, j] * ReLU(q[b, j, t] . k[b, s])``.
 
     q: ``[B, H_I, T, D_I]``; w: ``[B, T, H_I]`` (already scaled); k: ``[B, S, D_I]``; returns ``[B, T, S]``.
     """
     B, HI, T, DI = q.shape
+    if T == 1 and _decode_op(q, w, k):  # a decode step: one C++ pass (csrc/decode_attention.cpp)
+        return torch.ops.glm_lightning.index_scores_one(q.reshape(B, HI, DI), w.reshape(B, HI), k).view(B, 1, -1)
     # heads folded into the rows of one bmm (no per-head copy of the S keys)
     dots = torch.bmm(q.reshape(B, HI * T, DI), k.transpose(1, 2)).view(B, HI, T, -1).relu_()  # [B, H_I, T, S]
     return (dots * w.transpose(1, 2).unsqueeze(-1)).sum(1)
@@ -210,10 +220,13 @@ def single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     at least one True per row -> ``[B, H, 1, D]``.
 
     Why: for a single query SDPA runs its flash kernel's blocking, 0.29 ms for flash-25m's 16 rows x ~80 keys (1
-    thread), most of a DSA layer's decode step; the same math as two ``bmm`` and a masked softmax takes a fraction of
-    that. The query heads of one key/value head are the rows of one matrix product (no copy of the keys per head)."""
+    thread), most of a DSA layer's decode step. Without autograd it is one C++ pass (csrc/decode_attention.cpp), else
+    two ``bmm`` and a masked softmax, the query heads of one key/value head the rows of one matrix product."""
     B, H, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
+    if _decode_op(q, k, v):
+        return torch.ops.glm_lightning.single_query_attention(q.reshape(B, H, D), k, v, mask.reshape(B, S),
+                                                              D ** -0.5).view(B, H, 1, D)
     G = H // Hkv
     logits = torch.bmm(q.reshape(B * Hkv, G, D), k.reshape(B * Hkv, S, D).transpose(1, 2)).view(B, Hkv, G, S)
     logits = logits.mul_(D ** -0.5).masked_fill_(mask.logical_not().view(B, 1, 1, S), float("-inf"))

@@ -1,0 +1,147 @@
+// A DSA layer's decode step (one new query per row, glm_lightning/model/dsa.py) as two small CPU ops, fp32, no
+// autograd: the lightning indexer's scores of the query against the cached indexer keys, and the attention of the
+// query over its selected cached keys.
+//
+// Why: each was a batched matmul of [rows x heads] tiny products (e.g. 16 rows x 4 x 32 against ~100 keys), which
+// BLAS runs as one small GEMM per row at ~47 us a call (1 thread), plus 4-5 elementwise passes; a decode step of
+// flash-25m runs 3 of them per DSA layer. Here each (row, head) is a few dot products in L1.
+//
+//   index_scores_one(q [B, HI, DI], w [B, HI], k [B, S, DI]) -> I [B, S]
+//       I[b, s] = sum_j w[b, j] ReLU(q[b, j] . k[b, s])                    (heads summed in order)
+//   single_query_attention(q [B, H, D], k [B, Hkv, S, D], v [B, Hkv, S, D], mask [B, S] bool, scale) -> [B, H, D]
+//       softmax over the keys with mask[b, s] of scale q[b, h] . k[b, h / (H / Hkv), s], times v; a row without keys
+//       gives zeros (the caller always leaves one)
+//
+// k and v may be strided slices of the cache buffers (only their last dim must be contiguous).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "kernel_helpers.h"
+
+namespace {
+
+using glm_lightning_ops::dot_;
+using glm_lightning_ops::exp_;
+using glm_lightning_ops::Lanes;
+using v16 = Lanes<float>::Vec;
+
+void check_keys(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, " must be fp32 on the CPU");
+  TORCH_CHECK(t.stride(-1) == 1, name, "'s last dim must be contiguous");
+}
+
+// out[i] = q . key_i for the n (<= 16) rows key_i = k + i * stride, each D floats: 16 keys' lane sums reduced
+// together (Lanes::sums16) when D is a multiple of 16, else one dot_ per key.
+inline void dots(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t D, int64_t n,
+                 float* __restrict out) {
+  if (D % 16 != 0) {
+    for (int64_t i = 0; i < n; ++i) out[i] = dot_(q, k + i * stride, D);
+    return;
+  }
+  v16 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = v16{};
+  for (int64_t d = 0; d < D; d += 16) {
+    const v16 qv = Lanes<float>::load(q + d);
+    for (int64_t i = 0; i < n; ++i) acc[i] += qv * Lanes<float>::load(k + i * stride + d);
+  }
+  float all[16];
+  Lanes<float>::store(all, Lanes<float>::sums16(acc));
+  for (int64_t i = 0; i < n; ++i) out[i] = all[i];
+}
+
+at::Tensor index_scores_one(const at::Tensor& q_in, const at::Tensor& w_in, const at::Tensor& k) {
+  TORCH_CHECK(q_in.dim() == 3 && w_in.dim() == 2 && k.dim() == 3, "expected q [B, HI, DI], w [B, HI], k [B, S, DI]");
+  const int64_t B = q_in.size(0), HI = q_in.size(1), DI = q_in.size(2), S = k.size(1);
+  TORCH_CHECK(w_in.size(0) == B && w_in.size(1) == HI && k.size(0) == B && k.size(2) == DI, "shapes disagree");
+  check_keys(q_in, "q");
+  check_keys(w_in, "w");
+  check_keys(k, "k");
+  const at::Tensor q = q_in.contiguous(), w = w_in.contiguous();
+  at::Tensor out = at::zeros({B, S}, q.options());
+  const float *qp = q.data_ptr<float>(), *wp = w.data_ptr<float>(), *kp = k.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t kb = k.stride(0), ks = k.stride(1);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    float d[16];
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t s0 = 0; s0 < S; s0 += 16) {
+        const int64_t n = std::min<int64_t>(16, S - s0);
+        float* o = op + b * S + s0;
+        for (int64_t j = 0; j < HI; ++j) {  // heads summed in order
+          dots(qp + (b * HI + j) * DI, kp + b * kb + s0 * ks, ks, DI, n, d);
+          const float wj = wp[b * HI + j];
+          for (int64_t i = 0; i < n; ++i) o[i] += wj * std::max(0.f, d[i]);
+        }
+      }
+  });
+  return out;
+}
+
+at::Tensor single_query_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& mask_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes() && mask_in.dim() == 2,
+              "expected q [B, H, D], k and v [B, Hkv, S, D], mask [B, S]");
+  const int64_t B = q_in.size(0), H = q_in.size(1), D = q_in.size(2), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && H % Hkv == 0, "shapes disagree");
+  TORCH_CHECK(mask_in.scalar_type() == at::kBool && mask_in.size(0) == B && mask_in.size(1) == S,
+              "mask must be bool [B, S]");
+  check_keys(q_in, "q");
+  check_keys(k, "k");
+  check_keys(v, "v");
+  const at::Tensor q = q_in.contiguous(), mask = mask_in.contiguous();
+  at::Tensor out = at::zeros({B, H, D}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const bool* mp = mask.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  const int64_t G = H / Hkv, kb = k.stride(0), kh = k.stride(1), ks = k.stride(2);
+  const int64_t vb = v.stride(0), vh = v.stride(1), vs = v.stride(2);
+  const float sc = static_cast<float>(scale), ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * H, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> p(S);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / H, g = (r % H) / G;
+      const bool* m = mp + b * S;
+      for (int64_t s0 = 0; s0 < S; s0 += 16)  // logits of every key, then the masked ones set to -inf
+        dots(qp + r * D, kp + b * kb + g * kh + s0 * ks, ks, D, std::min<int64_t>(16, S - s0), p.data() + s0);
+      float top = ninf;
+      for (int64_t s = 0; s < S; ++s) {
+        p[s] = m[s] ? sc * p[s] : ninf;
+        top = std::max(top, p[s]);
+      }
+      if (top == ninf) continue;  // no key: zeros
+      float total = 0.f;
+      float* __restrict pp = p.data();
+      _Pragma("omp simd reduction(+ : total)") for (int64_t s = 0; s < S; ++s) {
+        pp[s] = exp_(pp[s] - top);  // exp_(-inf) = 0
+        total += pp[s];
+      }
+      float* __restrict o = op + r * D;
+      for (int64_t s = 0; s < S; ++s)
+        if (pp[s] != 0.f) {
+          const float e = pp[s];
+          const float* __restrict val = vp + b * vb + g * vh + s * vs;
+          _Pragma("omp simd") for (int64_t d = 0; d < D; ++d) o[d] += e * val[d];
+        }
+      const float inv = 1.f / total;
+      _Pragma("omp simd") for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
+  m.def("index_scores_one(Tensor q, Tensor w, Tensor k) -> Tensor");
+  m.def("single_query_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
+  m.impl("index_scores_one", &index_scores_one);
+  m.impl("single_query_attention", &single_query_attention);
+}
