@@ -36,9 +36,12 @@ void check_keys(const at::Tensor& t, const char* name) {
 }
 
 // out[i] = q . key_i for the n (<= 16) rows key_i = k + i * stride, each D floats: 16 keys' lane sums reduced
-// together (Lanes::sums16) when D is a multiple of 16, else one dot_ per key.
+// together (Lanes::sums16) when D is a multiple of 16, else one dot_ per key. `ahead` (same layout): the keys the
+// next call will read, prefetched (a decode step's cached keys are cold: the step streams the whole model).
 inline void dots(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t D, int64_t n,
-                 float* __restrict out) {
+                 float* __restrict out, const float* ahead) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(ahead + i * stride + d, 0, 0);
   if (D % 16 != 0) {
     for (int64_t i = 0; i < n; ++i) out[i] = dot_(q, k + i * stride, D);
     return;
@@ -72,8 +75,9 @@ at::Tensor index_scores_one(const at::Tensor& q_in, const at::Tensor& w_in, cons
       for (int64_t s0 = 0; s0 < S; s0 += 16) {
         const int64_t n = std::min<int64_t>(16, S - s0);
         float* o = op + b * S + s0;
+        const float* ahead = kp + std::min(b + 1, B - 1) * kb + s0 * ks;  // the next row's keys
         for (int64_t j = 0; j < HI; ++j) {  // heads summed in order
-          dots(qp + (b * HI + j) * DI, kp + b * kb + s0 * ks, ks, DI, n, d);
+          dots(qp + (b * HI + j) * DI, kp + b * kb + s0 * ks, ks, DI, n, d, ahead);
           const float wj = wp[b * HI + j];
           for (int64_t i = 0; i < n; ++i) o[i] += wj * std::max(0.f, d[i]);
         }
@@ -105,9 +109,11 @@ at::Tensor single_query_attention(const at::Tensor& q_in, const at::Tensor& k, c
     std::vector<float> p(S);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / H, g = (r % H) / G;
+      const int64_t rn = std::min(r + 1, B * H - 1), bn = rn / H, gn = (rn % H) / G;  // the next row: prefetched
       const bool* m = mp + b * S;
       for (int64_t s0 = 0; s0 < S; s0 += 16)  // logits of every key, then the masked ones set to -inf
-        dots(qp + r * D, kp + b * kb + g * kh + s0 * ks, ks, D, std::min<int64_t>(16, S - s0), p.data() + s0);
+        dots(qp + r * D, kp + b * kb + g * kh + s0 * ks, ks, D, std::min<int64_t>(16, S - s0), p.data() + s0,
+             kp + bn * kb + gn * kh + s0 * ks);
       float top = ninf;
       for (int64_t s = 0; s < S; ++s) {
         p[s] = m[s] ? sc * p[s] : ninf;
@@ -125,6 +131,7 @@ at::Tensor single_query_attention(const at::Tensor& q_in, const at::Tensor& k, c
         if (pp[s] != 0.f) {
           const float e = pp[s];
           const float* __restrict val = vp + b * vb + g * vh + s * vs;
+          for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(vp + bn * vb + gn * vh + s * vs + d, 0, 0);
           _Pragma("omp simd") for (int64_t d = 0; d < D; ++d) o[d] += e * val[d];
         }
       const float inv = 1.f / total;
