@@ -11,8 +11,9 @@ What is followed from the paper (and the V3.2-Exp ``Indexer`` reference, re-impl
   causal/validity mask is re-applied *after* it (validity comes from the gathered values being finite, never from the
   indices alone: rows ``t + 1 < k`` otherwise pick future slots). Ties are broken deterministically towards the
   earlier key (stable sort), so selections are invariant to left padding and identical between a full forward and
-  cached decoding. The main attention is a softmax over ``S_t`` only: boolean-mask SDPA for training/prefill, a
-  gather of the k selected keys/values for single-token decode.
+  cached decoding. The main attention is a softmax over ``S_t`` only: boolean-mask SDPA for training/prefill; a
+  decode step (one new token) runs :func:`single_query_attention` over the masked cache, or over a gather of the k
+  selected keys/values once the cache is long.
 * **Dense bypass.** With ``T_k <= index_top_k`` keys DSA equals dense causal attention exactly, so that path is taken
   (the indexer loss is still computed, over all causal keys, so the indexer keeps training).
 * **Indexer training (stage 2, "sparse training").** ``L_I = mean_t KL(p_t || softmax(I[t, S_t]))`` where ``p_t`` is the
@@ -299,8 +300,9 @@ class SparseAttention(nn.Module):
         self.loss_weight = cfg.indexer_loss_weight
         self.decode_gather_min_keys = 4 * cfg.index_top_k
         """Single-token decode gathers the k selected keys once the cache holds this many keys; below it the
-        boolean-mask SDPA over all keys is cheaper (CPU, B=16, top_k=64: mask 1.7 vs gather 3.2 ms at 101 keys,
-        gather 4.5 vs mask 5.7 ms at 501 keys). Both paths give the same result."""
+        masked attention over all keys is cheaper (CPU, B=16, top_k=64: mask 1.7 vs gather 3.2 ms at 101 keys,
+        gather 4.5 vs mask 5.7 ms at 501 keys, both measured with SDPA, before :func:`single_query_attention`; not
+        re-measured since). Both paths give the same result."""
         d, H, Hkv, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(d, H * D, bias=False)
         self.k_proj = nn.Linear(d, Hkv * D, bias=False)
@@ -393,8 +395,8 @@ class SparseAttention(nn.Module):
     def _forward_cached(self, x: torch.Tensor, valid: torch.Tensor | None,
                         cache: DSACache) -> tuple[torch.Tensor, torch.Tensor]:
         """Append T tokens to the cache and attend over everything cached: the dense bypass while the cache holds
-        <= top_k keys, then SDPA masked to the top-k keys, or for one-token decode over a long cache a gather of the
-        k selected keys."""
+        <= top_k keys, then attention masked to the top-k keys (SDPA; :func:`single_query_attention` for one token),
+        or for one-token decode over a long cache a gather of the k selected keys."""
         B, T, _ = x.shape
         cache.check_append(B, T)
         start = cache.length
