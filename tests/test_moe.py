@@ -282,6 +282,20 @@ def test_small_matmul_equals_bmm_on_the_real_rows(shape):
 
 
 @needs_cext
+def test_small_matmul_lane_sums_agree_between_its_blocks():
+    """small_matmul reduces a 4-column block's 16 lane sums together (Lanes::sums16) and a leftover column's one at a
+    time (Lanes::sum); both add the lanes in the same order, so one dot product is the same bit for bit either way
+    (the decode step's linears rely on it: a row's output must not depend on where it falls)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 64, generator=gen)
+    W = torch.randn(5, 64, generator=gen)  # columns 0-3 in one block, column 4 alone
+    y = torch.ops.glm_lightning.small_matmul(x, W)
+    y4 = torch.ops.glm_lightning.small_matmul(x, W[[4, 4, 4, 4]])  # column 4's dot product inside a block
+    for j in range(4):
+        assert torch.equal(y4[:, j], y[:, 4])
+
+
+@needs_cext
 @pytest.mark.parametrize("tokens", [1, 5, 9, 64, 65])
 def test_decode_experts_equal_the_grouped_gemm(tokens, monkeypatch):
     """Without autograd, calls of <= SMALL_TOKENS tokens take the small_matmul path; it equals the grouped-GEMM path

@@ -5,7 +5,8 @@ and view nodes plus ``MmBackward0`` and the weight's ``TBackward0``, which repla
 backward; this Function replays as ~9 (dx = dy W, dW = dy^T x, db = sum(dy)). The forward is the same ``addmm``/``mm``
 that ``F.linear`` runs, so values are bit for bit those of ``F.linear``; without autograd (decoding) it is the same
 ``mm``/``addmm`` called directly (7 dispatched ops instead of ``F.linear``'s 11-12 on a [B, T, d] input), or for a
-few rows (a decode step) ``glm_lightning::small_matmul``, which streams each weight row once (``SMALL_ROWS``).
+few rows (a decode step) ``glm_lightning::small_matmul``, which streams each weight row once (``SMALL_ROWS``; values
+within float rounding of ``mm``).
 """
 
 from __future__ import annotations
