@@ -409,11 +409,12 @@ def test_cpp_recurrent_core_equals_the_eager_recurrence(K, V, T):
 @CPP
 @pytest.mark.parametrize("K,V", [(16, 16), (16, 32)])
 def test_cpp_recurrent_core_gradcheck_fp64(K, V):
-    """gradcheck of the C++ recurrence itself (fp64 instantiation) over two segments and a tail."""
-    from glm_lightning.model.kda_recurrent_cpp import SEGMENT, KDARecurrentCpp
+    """gradcheck of the C++ recurrence (fp64 instantiation) over two segments and a tail: a square head as the op takes
+    it, and an unequal one zero-padded to a square (recurrent_cpp)."""
+    from glm_lightning.model.kda_recurrent_cpp import SEGMENT, recurrent_cpp
 
     xs = [x.requires_grad_() for x in _inputs(1, SEGMENT + 5, 2, K, V, dtype=torch.float64, seed=13)]
-    assert torch.autograd.gradcheck(KDARecurrentCpp.apply, xs, fast_mode=True)
+    assert torch.autograd.gradcheck(recurrent_cpp, xs, fast_mode=True)
 
 
 @CPP
@@ -467,9 +468,12 @@ def test_cpp_recurrent_core_takes_broadcast_gradients_and_rejects_bad_sizes():
     for a, b in zip((q, k, v, g, beta, s0), ref):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=3e-5)
     x = [t.detach() for t in (q, k, v, g, beta, s0)]
-    with pytest.raises(RuntimeError, match="K and V in"):
+    with pytest.raises(RuntimeError, match="K == V in"):
         torch.ops.glm_lightning.kda_recurrent_fwd(x[0][..., :8], x[1][..., :8], *x[2:3], x[3][..., :8], x[4],
                                                   x[5][:, :, :8], 32)
+    with pytest.raises(RuntimeError, match="K == V in"):  # 16 x 32: compiled sizes, but not square
+        torch.ops.glm_lightning.kda_recurrent_fwd(*x[:2], torch.cat([x[2], x[2]], -1), *x[3:5],
+                                                  torch.cat([x[5], x[5]], -1), 32)
     with pytest.raises(RuntimeError, match="seg must be positive"):
         torch.ops.glm_lightning.kda_recurrent_fwd(*x, 0)
 

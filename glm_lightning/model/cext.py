@@ -11,11 +11,12 @@ and an mHC site's read (norm, projection, gates and read in one pass over the st
 short conv + SiLU, its features (q/k norms, gates) and gated output norm, every RMSNorm, the experts' SwiGLU, the MoE
 routing (selection, gates, balance loss, assignment rows) and the grouped experts' row moves are one pass each way too
 (csrc/short_conv.cpp, csrc/kda_pointwise.cpp, csrc/rms_norm.cpp, csrc/swiglu.cpp, csrc/moe_route.cpp,
-csrc/moe_rows.cpp). No ninja and no pybind: one g++ call on one translation
-unit that includes every source, with torch's headers, registering the ops through TORCH_LIBRARY (schema
-`glm_lightning::...`).
+csrc/moe_rows.cpp). No ninja and no pybind: g++ compiles a few translation units, each including several
+sources (torch's headers are parsed once per unit), one per core up to MAX_JOBS, in parallel, and links them; the ops
+register through TORCH_LIBRARY (schema `glm_lightning::...`).
 
-    GLM_LIGHTNING_EXT=auto (default)  build at first use (~50 s of CPU, once per source/torch version) and use it
+    GLM_LIGHTNING_EXT=auto (default)  build at first use (~2 min of CPU, ~1 min wall on 2 cores; once per
+                                      source/torch version) and use it
     GLM_LIGHTNING_EXT=0               never build or load it: the eager paths only
     make ext                          build now and print the library path and the build time
 
@@ -48,7 +49,13 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp
 HEADERS = (Path(__file__).parent / "csrc" / "kernel_helpers.h",)
 """Included by the sources: hashed with them, so that a change rebuilds the library."""
 BUILD_TIMEOUT_S = 600
-"""Upper bound of one build (it takes ~50 s of CPU, 50-105 s wall on a loaded 2-core machine)."""
+"""Upper bound of one build (~2 min of g++ CPU time on the 2-core dev machine, about 1 min of wall time there)."""
+COMPILE_S = {"sinkhorn.cpp": 47.0, "kda_recurrent.cpp": 42.0}
+"""Seconds of g++ per source beyond torch's headers (~6 s), measured one file at a time on the dev machine; the other
+sources take 1-2 s (`DEFAULT_COMPILE_S`). Used only to balance the parallel build's translation units."""
+DEFAULT_COMPILE_S = 2.0
+MAX_JOBS = 4
+"""At most this many g++ processes at once (each holds ~1-1.5 GB)."""
 
 
 def enabled() -> bool:
@@ -56,13 +63,71 @@ def enabled() -> bool:
     return os.environ.get("GLM_LIGHTNING_EXT", "auto").strip().lower() not in ("0", "off", "false", "no")
 
 
-def _flags() -> list[str]:
-    """g++ flags: torch's headers and libraries (what torch.utils.cpp_extension would pass, without importing it: its
-    import probes for CUDA and warns), OpenMP for at::parallel_for (torch's bundled libgomp is the one loaded)."""
+def _compile_flags() -> list[str]:
+    """g++ flags for one translation unit: torch's headers (what torch.utils.cpp_extension would pass, without
+    importing it: its import probes for CUDA and warns), OpenMP for at::parallel_for."""
     torch_dir = Path(torch.__file__).parent
-    return ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{torch_dir / 'include'}",
-            f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}"]
+    return ["-O3", "-march=native", "-std=c++20", "-fPIC", "-fopenmp",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{torch_dir / 'include'}"]
+
+
+def _link_flags() -> list[str]:
+    """g++ flags that link the objects into the shared library against torch's libraries (torch's bundled libgomp is
+    the one loaded)."""
+    lib = Path(torch.__file__).parent / "lib"
+    return ["-shared", "-fopenmp", f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+
+
+def _jobs() -> int:
+    """g++ processes to run at once: the cores this process may use, at most MAX_JOBS."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_JOBS))
+
+
+def _groups(sources: tuple[Path, ...], jobs: int) -> list[list[Path]]:
+    """The sources split into at most `jobs` translation units of about equal compile time (longest first, each to the
+    lightest unit; COMPILE_S), in their given order within a unit. One unit parses torch's headers once; two on two
+    cores build in ~half the wall time (1 core: no gain, ~6 s more for the second parse)."""
+    units: list[list[Path]] = [[] for _ in range(max(1, min(jobs, len(sources))))]
+    load = [0.0] * len(units)
+    for src in sorted(sources, key=lambda p: -COMPILE_S.get(p.name, DEFAULT_COMPILE_S)):
+        i = load.index(min(load))
+        units[i].append(src)
+        load[i] += COMPILE_S.get(src.name, DEFAULT_COMPILE_S)
+    order = {src: n for n, src in enumerate(sources)}
+    return [sorted(unit, key=order.__getitem__) for unit in units if unit]
+
+
+def _compile(cxx: str, sources: tuple[Path, ...], out: Path, jobs: int) -> None:
+    """Compile the sources as `jobs` translation units in parallel (each includes its sources: one parse of the
+    headers per unit) and link them into `out`. Raises RuntimeError with g++'s message on failure."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        procs, objs = [], []
+        for n, unit in enumerate(_groups(sources, jobs)):
+            cpp, obj = Path(tmp) / f"unit{n}.cpp", Path(tmp) / f"unit{n}.o"
+            cpp.write_text("".join(f'#include "{src}"\n' for src in unit))
+            cmd = [cxx, "-c", str(cpp), *_compile_flags(), "-o", str(obj)]
+            procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+            objs.append(str(obj))
+        failed = None
+        for cmd, proc in procs:
+            try:
+                _, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+                err = f"timed out after {BUILD_TIMEOUT_S} s\n{err}"
+            if proc.returncode != 0 and failed is None:
+                failed = (cmd, err)
+        if failed is None:
+            cmd = [cxx, *objs, *_link_flags(), "-o", str(out)]
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            failed = (cmd, res.stderr) if res.returncode != 0 else None
+        if failed is not None:
+            raise RuntimeError(f"building {out.name} failed:\n{' '.join(failed[0])}\n{failed[1][-4000:]}")
 
 
 def _cpu_model() -> str:
@@ -80,7 +145,8 @@ def library_path() -> Path:
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
-    h.update(" ".join([torch.__version__, sys.version, platform.machine(), _cpu_model(), *_flags()]).encode())
+    h.update(" ".join([torch.__version__, sys.version, platform.machine(), _cpu_model(), *_compile_flags(),
+                       *_link_flags()]).encode())
     root = Path(os.environ.get("GLM_LIGHTNING_CACHE", Path.home() / ".cache" / "glm_lightning"))
     return root / "ext" / f"glm_lightning_ops_{h.hexdigest()[:16]}.so"
 
@@ -97,21 +163,15 @@ def build(verbose: bool = False) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    # one translation unit including every source: torch's headers (most of the build time) are parsed once
-    unity = Path(tmp).with_suffix(".cpp")
-    unity.write_text("".join(f'#include "{src}"\n' for src in SOURCES))
-    cmd = [cxx, str(unity), *_flags(), "-o", tmp]
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if res.returncode != 0:
-            raise RuntimeError(f"building {out.name} failed:\n{' '.join(cmd)}\n{res.stderr[-4000:]}")
+        jobs = _jobs()
         if verbose:
-            print(res.stderr[-2000:], file=sys.stderr)
+            print(f"building {out.name} with {jobs} g++ process(es)", file=sys.stderr)
+        _compile(cxx, SOURCES, Path(tmp), jobs)
         os.replace(tmp, out)
     finally:
-        for leftover in (tmp, unity):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return out
 
 

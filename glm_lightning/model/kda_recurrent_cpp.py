@@ -28,7 +28,8 @@ SEGMENT = 32
 one [K, V] state per head and segment, 3 MB per flash-25m layer at 32 x 128)."""
 
 _SIZES = (16, 32, 64)
-"""Head sizes the op is compiled for; smaller ones are zero-padded up to the next."""
+"""Head sizes the op is compiled for, square (K == V, as the model's heads are); other shapes are zero-padded up to the
+smallest that holds both K and V."""
 
 
 def supports(K: int, V: int) -> bool:
@@ -38,7 +39,7 @@ def supports(K: int, V: int) -> bool:
 
 class KDARecurrentCpp(torch.autograd.Function):
     """(q, k, v, g [B, T, H, K or V], beta [B, T, H], S0 [B, H, K, V]) -> (o [B, T, H, V], final state [B, H, K, V])
-    through ``glm_lightning::kda_recurrent_fwd`` / ``_bwd``; K and V in (16, 32, 64), q already scaled by K^-0.5."""
+    through ``glm_lightning::kda_recurrent_fwd`` / ``_bwd``; K == V in (16, 32, 64), q already scaled by K^-0.5."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,  # type: ignore[override]
@@ -54,10 +55,11 @@ class KDARecurrentCpp(torch.autograd.Function):
 
 
 def recurrent_cpp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: Tensor) -> tuple[Tensor, Tensor]:
-    """The core through :class:`KDARecurrentCpp` (see :func:`supports`). Other head sizes are zero-padded: extra key
-    channels (q = k = g = 0) never reach the state's real rows or the output, extra value channels are dropped."""
+    """The core through :class:`KDARecurrentCpp` (see :func:`supports`). Other head shapes are zero-padded to the
+    smallest compiled square: extra key channels (q = k = g = 0) never reach the state's real rows or the output, extra
+    value channels are dropped."""
     K, V = q.shape[-1], v.shape[-1]
-    PK, PV = (next(n for n in _SIZES if n >= d) for d in (K, V))
+    PK = PV = next(n for n in _SIZES if n >= max(K, V))
     if PK != K:
         q, k, g = (F.pad(x, (0, PK - K)) for x in (q, k, g))
     if PV != V:

@@ -1,0 +1,73 @@
+"""The C++ library's build (glm_lightning/model/cext.py): how the sources are split into parallel translation units, and
+the compile-and-link step on tiny sources (the real build is exercised by every test that uses the ops)."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+from pathlib import Path
+
+import pytest
+
+from glm_lightning.model import cext
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 3, 4, 40])
+def test_groups_hold_every_source_once_in_order(jobs):
+    units = cext._groups(cext.SOURCES, jobs)
+    assert len(units) == min(jobs, len(cext.SOURCES))
+    assert sorted(p for u in units for p in u) == sorted(cext.SOURCES)
+    order = {p: i for i, p in enumerate(cext.SOURCES)}
+    for unit in units:
+        assert [order[p] for p in unit] == sorted(order[p] for p in unit)  # includes in the given order
+
+
+def test_groups_put_the_slow_sources_apart_and_balance_the_rest():
+    units = cext._groups(cext.SOURCES, 2)
+    slow = [name for name in cext.COMPILE_S if any(p.name == name for p in cext.SOURCES)]
+    assert len(slow) == 2
+    homes = {name: next(i for i, u in enumerate(units) if any(p.name == name for p in u)) for name in slow}
+    assert homes[slow[0]] != homes[slow[1]]
+    cost = [sum(cext.COMPILE_S.get(p.name, cext.DEFAULT_COMPILE_S) for p in u) for u in units]
+    assert max(cost) - min(cost) <= max(cext.COMPILE_S.values()) - min(cext.COMPILE_S.values()) + cext.DEFAULT_COMPILE_S
+
+
+def test_jobs_is_at_least_one_and_capped():
+    assert 1 <= cext._jobs() <= cext.MAX_JOBS
+
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+
+
+def _plain_flags(monkeypatch):
+    """Compile and link without torch's headers and libraries: the tiny sources below need neither (fast)."""
+    monkeypatch.setattr(cext, "_compile_flags", lambda: ["-O1", "-fPIC"])
+    monkeypatch.setattr(cext, "_link_flags", lambda: ["-shared"])
+
+
+@needs_gxx
+def test_compile_links_units_built_in_parallel(tmp_path: Path, monkeypatch):
+    _plain_flags(monkeypatch)
+    srcs = []
+    for name, value in (("a.cpp", 3), ("b.cpp", 4), ("c.cpp", 5)):
+        src = tmp_path / name
+        src.write_text(f'namespace {{ int v() {{ return {value}; }} }}\nextern "C" int get_{name[0]}() {{ return v(); }}\n')
+        srcs.append(src)  # each has an anonymous-namespace v(): fine within one unit only if the units are split right
+    out = tmp_path / "lib.so"
+    cext._compile("g++", (srcs[0],), tmp_path / "one.so", 1)
+    cext._compile("g++", tuple(srcs), out, 3)  # three units, one source each (a unity build would clash on v)
+    lib = ctypes.CDLL(str(out))
+    assert (lib.get_a(), lib.get_b(), lib.get_c()) == (3, 4, 5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpp", "b.cpp", "c.cpp", "lib.so", "one.so"]  # no leftovers
+
+
+@needs_gxx
+def test_compile_error_raises_with_the_compilers_message(tmp_path: Path, monkeypatch):
+    _plain_flags(monkeypatch)
+    good, bad = tmp_path / "good.cpp", tmp_path / "bad.cpp"
+    good.write_text('extern "C" int ok() { return 1; }\n')
+    bad.write_text("int broken( { return 1; }\n")
+    with pytest.raises(RuntimeError, match=r"building lib\.so failed:(.|\n)*error"):
+        cext._compile("g++", (good, bad), tmp_path / "lib.so", 2)
+    assert not (tmp_path / "lib.so").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.cpp", "good.cpp"]
