@@ -23,6 +23,21 @@
 
 namespace {
 
+// One row: y = SiLU(sum_t s[t] wt[t] + r wt[P]) per channel (the taps in order), over the weight transposed to
+// [ks, C] so that the channel loop reads everything contiguously and vectorises. The SiLU uses exp_, as the training
+// and prefill conv does (csrc/short_conv.cpp); the strided weight, the inner tap loop and glibc's scalar exp had kept
+// the old loop scalar: flash-25m's 16 rows x 576 channels, warm, 1 thread, 43-57 -> ~8 us a call.
+inline void conv_row(const float* __restrict s, const float* __restrict r, const float* __restrict wt,
+                     float* __restrict y, int64_t P, int64_t C) {
+  for (int64_t c = 0; c < C; ++c) y[c] = 0.f;
+  for (int64_t t = 0; t < P; ++t)  // taps outermost: an inner loop over them had kept the channel loop scalar
+    _Pragma("omp simd") for (int64_t c = 0; c < C; ++c) y[c] += s[t * C + c] * wt[t * C + c];
+  _Pragma("omp simd") for (int64_t c = 0; c < C; ++c) {
+    const float acc = y[c] + r[c] * wt[P * C + c];
+    y[c] = acc / (1.f + glm_lightning_ops::exp_(-acc));  // SiLU
+  }
+}
+
 at::Tensor conv_step_(at::Tensor conv_state, const at::Tensor& raw_in, const at::Tensor& weight_in) {
   TORCH_CHECK(conv_state.dim() == 3 && conv_state.is_contiguous(), "conv_state must be a contiguous [B, ks-1, C]");
   TORCH_CHECK(conv_state.scalar_type() == at::kFloat && raw_in.scalar_type() == at::kFloat &&
@@ -35,17 +50,14 @@ at::Tensor conv_step_(at::Tensor conv_state, const at::Tensor& raw_in, const at:
   float* st = conv_state.data_ptr<float>();
   const float *r = raw.data_ptr<float>(), *w = weight.data_ptr<float>();
   float* out = y.data_ptr<float>();
+  std::vector<float> wt(ks * C);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t t = 0; t < ks; ++t) wt[t * C + c] = w[c * ks + t];
   at::parallel_for(0, B, 16, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       float* s = st + b * P * C;
       const float* rb = r + b * C;
-      float* yb = out + b * C;
-      for (int64_t c = 0; c < C; ++c) {
-        float acc = 0.f;
-        for (int64_t t = 0; t < P; ++t) acc += s[t * C + c] * w[c * ks + t];
-        acc += rb[c] * w[c * ks + P];
-        yb[c] = acc / (1.f + std::exp(-acc));  // SiLU
-      }
+      conv_row(s, rb, wt.data(), out + b * C, P, C);
       for (int64_t t = 0; t + 1 < P; ++t) std::copy(s + (t + 1) * C, s + (t + 2) * C, s + t * C);
       if (P > 0) std::copy(rb, rb + C, s + (P - 1) * C);
     }
