@@ -71,3 +71,29 @@ def test_compile_error_raises_with_the_compilers_message(tmp_path: Path, monkeyp
         cext._compile("g++", (good, bad), tmp_path / "lib.so", 2)
     assert not (tmp_path / "lib.so").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.cpp", "good.cpp"]
+
+
+@needs_gxx
+def test_an_interrupt_leaves_no_compiler_running(tmp_path: Path, monkeypatch):
+    """Ctrl-C while waiting for the first unit: the other g++ processes are killed, not left running on the temporary
+    directory that is being deleted."""
+    _plain_flags(monkeypatch)
+    srcs = []
+    for name in ("a.cpp", "b.cpp"):
+        srcs.append(tmp_path / name)
+        srcs[-1].write_text(f'extern "C" int f_{name[0]}() {{ return 1; }}\n')
+    started = []
+
+    class Recording(cext.subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+        def communicate(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cext.subprocess, "Popen", Recording)
+    with pytest.raises(KeyboardInterrupt):
+        cext._compile("g++", tuple(srcs), tmp_path / "lib.so", 2)
+    assert len(started) == 2 and all(p.returncode is not None for p in started)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpp", "b.cpp"]

@@ -105,23 +105,29 @@ def _compile(cxx: str, sources: tuple[Path, ...], out: Path, jobs: int) -> None:
     """Compile the sources as `jobs` translation units in parallel (each includes its sources: one parse of the
     headers per unit) and link them into `out`. Raises RuntimeError with g++'s message on failure."""
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        procs, objs = [], []
-        for n, unit in enumerate(_groups(sources, jobs)):
-            cpp, obj = Path(tmp) / f"unit{n}.cpp", Path(tmp) / f"unit{n}.o"
-            cpp.write_text("".join(f'#include "{src}"\n' for src in unit))
-            cmd = [cxx, "-c", str(cpp), *_compile_flags(), "-o", str(obj)]
-            procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-            objs.append(str(obj))
-        failed = None
-        for cmd, proc in procs:
-            try:
-                _, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
-                err = f"timed out after {BUILD_TIMEOUT_S} s\n{err}"
-            if proc.returncode != 0 and failed is None:
-                failed = (cmd, err)
+        procs: list[tuple[list[str], subprocess.Popen]] = []
+        objs, failed = [], None
+        try:
+            for n, unit in enumerate(_groups(sources, jobs)):
+                cpp, obj = Path(tmp) / f"unit{n}.cpp", Path(tmp) / f"unit{n}.o"
+                cpp.write_text("".join(f'#include "{src}"\n' for src in unit))
+                cmd = [cxx, "-c", str(cpp), *_compile_flags(), "-o", str(obj)]
+                procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+                objs.append(str(obj))
+            for cmd, proc in procs:
+                try:
+                    _, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    _, err = proc.communicate()
+                    err = f"timed out after {BUILD_TIMEOUT_S} s\n{err}"
+                if proc.returncode != 0 and failed is None:
+                    failed = (cmd, err)
+        finally:  # an interrupt (Ctrl-C) or a failed start: no g++ left running on the deleted directory
+            for _, proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         if failed is None:
             cmd = [cxx, *objs, *_link_flags(), "-o", str(out)]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
