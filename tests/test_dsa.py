@@ -13,6 +13,8 @@ from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.dsa import (
     DSACache,
     SparseAttention,
+    _fill_empty_rows,
+    decode_key_mask,
     indexer_kl_loss,
     lightning_index_scores,
     single_query_attention,
@@ -405,6 +407,32 @@ def test_decode_step_index_scores_follow_the_formula(path: str) -> None:
         got.sum().backward()
         assert q.grad is not None
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif("cpp" not in _decode_paths(), reason="C++ ops not available")
+@pytest.mark.parametrize("S,top_k", [(11, 4), (37, 6), (5, 8), (70, 64)])
+def test_decode_key_mask_op_equals_topk_mask_and_fill(S: int, top_k: int) -> None:
+    """The decode step's key mask as one C++ pass (topk_mask_one) equals topk_mask + _fill_empty_rows exactly: scores
+    with many ties (small integers), -inf and NaN among the allowed keys, padding (strided key_valid rows), a row
+    with no valid key, fewer keys than top_k."""
+    gen = torch.Generator().manual_seed(S + top_k)
+    B = 12
+    scores = torch.randint(0, 4, (B, 1, S), generator=gen).float()
+    scores[1, 0, ::3] = float("-inf")
+    scores[2, 0, S // 2] = float("nan")
+    scores[3, 0, :] = float("-inf")
+    buf = torch.rand(B, S + 7, generator=gen) > 0.3
+    buf[4] = False  # no valid key
+    buf[5, :S] = True
+    key_valid = buf[:, :S]  # strided rows, as the cache's slice
+    ref = _fill_empty_rows(topk_mask(scores, key_valid[:, None, :], top_k), S - 1)
+    with torch.no_grad():
+        got = decode_key_mask(scores, key_valid, top_k)
+    assert got.dtype == torch.bool and got.shape == (B, 1, S)
+    assert torch.equal(got, ref)
+    assert got.any(-1).all()  # every row keeps a key
+    with torch.enable_grad():  # with autograd recording (a grad-requiring input) the eager form runs
+        assert torch.equal(decode_key_mask(scores.requires_grad_(), key_valid, top_k), ref)
 
 
 @pytest.mark.parametrize("gather", [False, True])
