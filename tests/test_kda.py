@@ -215,6 +215,34 @@ def test_prefill_then_decode_equals_full_forward(t, fused_step, monkeypatch):
     assert torch.isfinite(got).all()
 
 
+def test_decode_core_op_equals_the_step_ops_bit_for_bit(monkeypatch):
+    """A decode step without padding runs conv, features, delta rule and gated norm as one C++ op (kda_decode_core):
+    the same outputs and the same cache (conv buffer, state) bit for bit as the step's separate ops (the path a
+    padding mask takes, here all True), over several steps, and within 1e-5 of the full forward."""
+    if not cext.available():
+        pytest.skip("C++ ops not available")
+    from glm_lightning.model.kda import KDAttention
+    layer = _layer(seed=9, head_dim=16)
+    B, T, t0 = 3, 12, 5
+    x = torch.randn(B, T, 32)
+    calls = []
+    orig = KDAttention._decode_core
+    monkeypatch.setattr(KDAttention, "_decode_core", lambda self, *a: calls.append(1) or orig(self, *a))
+    with torch.no_grad():
+        full = layer(x)[0]
+        c_core, c_ops = KDACache.empty(B, _cfg(head_dim=16)), KDACache.empty(B, _cfg(head_dim=16))
+        outs_core = [layer(x[:, :t0], cache=c_core)[0]]
+        outs_ops = [layer(x[:, :t0], cache=c_ops)[0]]
+        ones = torch.ones(B, 1, dtype=torch.bool)
+        for i in range(t0, T):
+            outs_core.append(layer(x[:, i:i + 1], cache=c_core)[0])
+            outs_ops.append(layer(x[:, i:i + 1], valid=ones, cache=c_ops)[0])
+            assert torch.equal(c_core.state, c_ops.state) and torch.equal(c_core.conv_state, c_ops.conv_state)
+    assert len(calls) == T - t0
+    assert torch.equal(torch.cat(outs_core, 1), torch.cat(outs_ops, 1))
+    torch.testing.assert_close(torch.cat(outs_core, 1), full, rtol=0, atol=1e-5)
+
+
 def test_two_part_prefill_equals_one_prefill():
     layer = _layer(seed=4)
     x = torch.randn(2, 19, 32)

@@ -403,6 +403,9 @@ class KDAttention(nn.Module):
         # decode fast path: one step written into the cache (conv buffer and state updated in place)
         step = (cache is not None and x.shape[1] == 1 and not torch.is_grad_enabled() and _writable(cache.state)
                 and _writable(cache.conv_state))
+        if step and valid is None and _fusable(x, self.A_log, self.dt_bias, self._qk_rescale, self.o_norm.weight,
+                                               cache.state, cache.conv_state, self.conv.weight):
+            return self._decode_core(x, cache), self._no_aux
         q, k, v, g, beta, gate, raw = self._features(x, valid, cache, step)
         B, T, H, K = q.shape
         if cache is None:
@@ -421,15 +424,23 @@ class KDAttention(nn.Module):
             o, gate, self.o_norm.weight, self.o_norm.eps)
         return linear(o if o.dtype == x.dtype else o.to(x.dtype), self.o_proj.weight), self._no_aux
 
+    def _decode_core(self, x: Tensor, cache: KDACache) -> Tensor:
+        """A decode step without padding (x [B, 1, C] fp32): the projections, then the short conv, the features, the
+        delta rule and the gated norm as one C++ op (``glm_lightning::kda_decode_core``: the same ops as the step
+        path of :meth:`forward`, on the same views, so the same values; ~20 fewer top-level ops), then the output
+        projection."""
+        raw, f, b, gate = self._projections(x, cache)
+        C, ks = self.conv.weight.shape[0], self.conv.weight.shape[-1]
+        o = torch.ops.glm_lightning.kda_decode_core(raw, f, b, _f32(self.A_log), self._qk_rescale, self.lower_bound,
+                                                    cache.conv_state, self.conv.weight.view(C, ks), cache.state,
+                                                    _f32(gate), self.o_norm.weight, self.o_norm.eps)
+        return linear(o.view(x.shape[0], 1, -1), self.o_proj.weight)
+
     def _features(self, x: Tensor, valid: Tensor | None, cache: KDACache | None, step: bool = False):
         """Everything before the recurrence: q, k (unit norm, q scaled), v, g, beta (fp32), the output-gate
         pre-activation and, with a cache, the raw (masked) q|k|v projections after their conv context
         [B, ks-1+T, 3HK] (None for a decode ``step``, which shifts the new projection into the cache itself)."""
-        B, T, _ = x.shape
-        H, K = self.n_heads, self.head_dim
-        w_qkv, w_small = self._in_weights(cache)
-        raw = linear(x, w_qkv)                                                     # [B, T, 3HK] q|k|v
-        f1, g1, b = linear(x, w_small).split([K, K, H], dim=-1)
+        raw, f, b, gate = self._projections(x, cache)
         if valid is not None:
             valid = valid.to(device=x.device, dtype=torch.bool)
             raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
@@ -439,8 +450,7 @@ class KDAttention(nn.Module):
             y, raw_ext = self._short_conv(raw, None if cache is None else cache.conv_state.to(raw.dtype))
         # L2-normalise q and k together (eps 1e-6, as F.normalize) and fold q's K^-0.5 into the same division; the
         # gates g = lb * sigmoid(exp(A_log) * (W_f2 f1 + dt_bias)), beta = sigmoid(b): one Function (kda_fused.py)
-        f = linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias))
-        y, b, A_log = _f32(y), _f32(b), _f32(self.A_log)
+        y, A_log = _f32(y), _f32(self.A_log)
         features = KDAFeaturesCpp if cext.takes(y, f, b, A_log, self._qk_rescale) else KDAFeatures
         q, k, v, g, beta = features.apply(y, f, b, A_log, self._qk_rescale, self.lower_bound)
         if valid is not None:  # pads are identity steps of the state
@@ -448,8 +458,17 @@ class KDAttention(nn.Module):
             k = k.masked_fill(pad[..., None, None], 0.0)
             g = g.masked_fill(pad[..., None, None], 0.0)
             beta = beta.masked_fill(pad[..., None], 0.0)
-        gate = linear(g1, self.g_b_proj.weight, self.g_b_proj.bias)
         return q, k, v, g, beta, gate, raw_ext
+
+    def _projections(self, x: Tensor, cache: KDACache | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The input projections of x [B, T, C]: raw q|k|v [B, T, 3HK] (before the short conv), f = W_f2 f1 + dt_bias
+        [B, T, HK] and b [B, T, H] (fp32, the gates' pre-activations) and the output gate's pre-activation [B, T, HK]."""
+        H, K = self.n_heads, self.head_dim
+        w_qkv, w_small = self._in_weights(cache)
+        raw = linear(x, w_qkv)                                                     # [B, T, 3HK] q|k|v
+        f1, g1, b = linear(x, w_small).split([K, K, H], dim=-1)
+        f = linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias))
+        return raw, f, _f32(b), linear(g1, self.g_b_proj.weight, self.g_b_proj.bias)
 
     def _update_cache(self, cache: KDACache, raw_ext: Tensor, S: Tensor) -> None:
         ks = self.conv_size

@@ -1,5 +1,5 @@
 // One KDA decode step (glm_lightning/model/kda.py, decoding without autograd) as two CPU ops, each one pass over its
-// cache written in place.
+// cache written in place, and the step's core from the projections to the gated head norm as one op that runs them.
 //
 // Why: with many rows (RL: every prompt x G samples in one decode batch) the eager step streams the whole cache
 // several times: the short conv's cat, product, sum, SiLU and buffer shift (5 passes over [B, ks, 3HK]) and the
@@ -10,10 +10,18 @@
 //       y = SiLU(sum_t xp[t] * weight[:, t]) with xp = [conv_state; raw]; conv_state <- xp[1:]
 //   delta_step_(q [B, H, K], k [B, H, K], v [B, H, V], g [B, H, K], beta [B, H], S [B, H, K, V]) -> o [B, H, V]
 //       S <- Diag(exp g) S;  e = beta (v - S^T k);  S <- S + k e^T;  o = S^T q
+//   kda_decode_core(raw [B, (1,) 3HK], f [B, (1,) HK], b [B, (1,) H], A_log [H], rescale [2H], lb, conv_state,
+//                   conv_weight [C, ks], S [B, H, K, K], gate [B, (1,) HK], norm_weight [K], eps) -> [B, HK]
+//       conv_step_, then glm_lightning::kda_features (with a = exp(A_log)), delta_step_ on its q, k, v, g, beta and
+//       glm_lightning::gated_head_norm: the same ops on the same views as the layer's eager sequence of them, so the
+//       same values bit for bit. Why: that sequence is ~20 top-level ops from Python (the views, two autograd
+//       Functions' wrappers) at ~3-5 us each, ~50 us of a layer's ~230 us decode step at 2 threads; called from here the
+//       two ops of other files cost ~1 us each through the dispatcher.
 //
 // q, k, v, g may be strided views (slices of one fused projection): only their last dimension must be contiguous.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -131,9 +139,33 @@ at::Tensor delta_step_(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return o;
 }
 
+at::Tensor kda_decode_core(const at::Tensor& raw, const at::Tensor& f, const at::Tensor& b, const at::Tensor& A_log,
+                           const at::Tensor& rescale, double lb, at::Tensor conv_state, const at::Tensor& conv_weight,
+                           at::Tensor S, const at::Tensor& gate, const at::Tensor& norm_weight, double eps) {
+  static auto features = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("glm_lightning::kda_features", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, double)>();
+  static auto head_norm = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("glm_lightning::gated_head_norm", "")
+                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  TORCH_CHECK(S.dim() == 4 && S.size(2) == S.size(3), "S must be [B, H, K, K]");
+  const int64_t B = S.size(0), H = S.size(1), K = S.size(2);
+  TORCH_CHECK(raw.numel() == B * 3 * H * K, "raw must hold [B, 3HK] for S [B, H, K, K]");
+  const at::Tensor y = conv_step_(conv_state, raw, conv_weight);  // [B, 3HK]
+  auto [qk, g, beta] = features.call(y, f, b, A_log.exp(), rescale, lb);
+  const at::Tensor qk3 = qk.view({B, 2 * H, K});
+  const at::Tensor o = delta_step_(qk3.slice(1, 0, H), qk3.slice(1, H, 2 * H), y.view({B, 3 * H, K}).slice(1, 2 * H),
+                                   g.view({B, H, K}), beta, S);  // [B, H, K]
+  return head_norm.call(o, gate, norm_weight, eps).view({B, H * K});
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
+  m.def("kda_decode_core(Tensor raw, Tensor f, Tensor b, Tensor A_log, Tensor rescale, float lb, "
+        "Tensor(a!) conv_state, Tensor conv_weight, Tensor(b!) S, Tensor gate, Tensor norm_weight, float eps) -> Tensor");
   m.def("conv_step_(Tensor(a!) conv_state, Tensor raw, Tensor weight) -> Tensor");
   m.def("delta_step_(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) S) -> Tensor");
 }
@@ -141,4 +173,5 @@ TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
   m.impl("conv_step_", &conv_step_);
   m.impl("delta_step_", &delta_step_);
+  m.impl("kda_decode_core", &kda_decode_core);
 }
