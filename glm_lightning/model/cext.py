@@ -3,9 +3,10 @@
 
 Why: the study model is bound by dispatch overhead (~15 us per ATen op). As eager PyTorch an mHC site's Sinkhorn
 issues ~270 ops (20 iterations), its stream read/write ~70 and the KDA chunk hand-off ~10 per chunk; as C++ ops each
-is one op forward and one backward. Decoding adds two kinds that stream memory once instead of several times: the KDA
-decode step (short conv and delta rule, in place on the cache) and x @ W^T for experts with a few tokens (BLAS
-repacks the whole weight per call). Training adds two that keep a whole computation in cache instead of writing many
+is one op forward and one backward. Decoding adds ops that stream memory once instead of several times or replace
+runs of tiny ops: the KDA decode step (short conv and delta rule, in place on the cache, and the step's core from the
+conv to the gated norm as one call), x @ W^T for a few rows (BLAS repacks the whole weight per call), and DSA's decode
+step (indexer scores, top-k key mask, single-query attention; csrc/decode_attention.cpp). Training adds two that keep a whole computation in cache instead of writing many
 intermediate tensors: KDA's core as the per-token recurrence (each head's state in registers, csrc/kda_recurrent.cpp)
 and an mHC site's read (norm, projection, gates and read in one pass over the streams, csrc/site_read.cpp); KDA's
 short conv + SiLU, its features (q/k norms, gates) and gated output norm, every RMSNorm, the experts' SwiGLU, the MoE
