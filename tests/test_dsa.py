@@ -413,7 +413,7 @@ def test_decode_step_index_scores_follow_the_formula(path: str) -> None:
 @pytest.mark.parametrize("S,top_k", [(11, 4), (37, 6), (5, 8), (70, 64)])
 def test_decode_key_mask_op_equals_topk_mask_and_fill(S: int, top_k: int) -> None:
     """The decode step's key mask as one C++ pass (topk_mask_one) equals topk_mask + _fill_empty_rows exactly: scores
-    with many ties (small integers), -inf and NaN among the allowed keys, padding (strided key_valid rows), a row
+    with many ties (small integers), -inf and NaN among the allowed keys, padding (strided rows of allowed keys), a row
     with no valid key, fewer keys than top_k."""
     gen = torch.Generator().manual_seed(S + top_k)
     B = 12
@@ -424,15 +424,15 @@ def test_decode_key_mask_op_equals_topk_mask_and_fill(S: int, top_k: int) -> Non
     buf = torch.rand(B, S + 7, generator=gen) > 0.3
     buf[4] = False  # no valid key
     buf[5, :S] = True
-    key_valid = buf[:, :S]  # strided rows, as the cache's slice
-    ref = _fill_empty_rows(topk_mask(scores, key_valid[:, None, :], top_k), S - 1)
+    allowed = buf[:, None, :S]  # strided rows, as the cache's slice
+    ref = _fill_empty_rows(topk_mask(scores, allowed, top_k), S - 1)
     with torch.no_grad():
-        got = decode_key_mask(scores, key_valid, top_k)
+        got = decode_key_mask(scores, allowed, top_k)
     assert got.dtype == torch.bool and got.shape == (B, 1, S)
     assert torch.equal(got, ref)
     assert got.any(-1).all()  # every row keeps a key
     with torch.enable_grad():  # with autograd recording (a grad-requiring input) the eager form runs
-        assert torch.equal(decode_key_mask(scores.requires_grad_(), key_valid, top_k), ref)
+        assert torch.equal(decode_key_mask(scores.requires_grad_(), allowed, top_k), ref)
 
 
 @pytest.mark.parametrize("gather", [False, True])

@@ -179,15 +179,15 @@ def topk_mask(scores: torch.Tensor, allowed: torch.Tensor, top_k: int) -> torch.
     return keep & allowed & torch.isfinite(masked)
 
 
-def decode_key_mask(scores: torch.Tensor, key_valid: torch.Tensor, top_k: int) -> torch.Tensor:
-    """A decode step's attention mask ``[B, 1, S]``: :func:`topk_mask` of ``scores [B, 1, S]`` among the valid keys
-    (``key_valid [B, S]``; every key is causal for the newest query), then :func:`_fill_empty_rows` for the query at
-    position S - 1. Without autograd on fp32 CPU tensors it is one C++ pass (``glm_lightning::topk_mask_one``, the same
-    mask: ~135 us of ~22 tiny ops a DSA layer's step at 2 threads before)."""
+def decode_key_mask(scores: torch.Tensor, allowed: torch.Tensor, top_k: int) -> torch.Tensor:
+    """A decode step's attention mask ``[B, 1, S]``: :func:`topk_mask` of ``scores [B, 1, S]`` among the ``allowed
+    [B, 1, S]`` keys, then :func:`_fill_empty_rows` for the query at position S - 1. Without autograd on fp32 CPU
+    tensors it is one C++ pass (``glm_lightning::topk_mask_one``, the same mask: ~135 us of ~22 tiny ops a DSA layer's
+    step at 2 threads before)."""
     B, _, S = scores.shape
     if _decode_op(scores):
-        return torch.ops.glm_lightning.topk_mask_one(scores.view(B, S), key_valid, top_k).view(B, 1, S)
-    return _fill_empty_rows(topk_mask(scores, key_valid[:, None, :], top_k), S - 1)
+        return torch.ops.glm_lightning.topk_mask_one(scores.view(B, S), allowed.view(B, S), top_k).view(B, 1, S)
+    return _fill_empty_rows(topk_mask(scores, allowed, top_k), S - 1)
 
 
 def head_summed_attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -432,7 +432,7 @@ class SparseAttention(nn.Module):
             return self._out(self._gathered_attention(q, cache.k, cache.v, indices[:, 0], selected[:, 0])), \
                 x.new_zeros(())
         elif T == 1 and not want_loss:
-            attn_mask = decode_key_mask(scores, cache.key_valid[:, :S], self.top_k)
+            attn_mask = decode_key_mask(scores, allowed, self.top_k)
             return self._out(single_query_attention(q, k, v, attn_mask)), x.new_zeros(())
         else:
             loss_keys = topk_mask(scores, allowed, self.top_k)

@@ -149,8 +149,8 @@ at::Tensor single_query_attention(const at::Tensor& q_in, const at::Tensor& k, c
 }
 
 at::Tensor topk_mask_one(const at::Tensor& scores_in, const at::Tensor& allowed, int64_t top_k) {
-  TORCH_CHECK(scores_in.dim() == 2 && scores_in.scalar_type() == at::kFloat && scores_in.device().is_cpu(),
-              "scores must be fp32 [B, S] on the CPU");
+  TORCH_CHECK(scores_in.dim() == 2, "scores must be [B, S]");
+  check_keys(scores_in, "scores");
   TORCH_CHECK(allowed.dim() == 2 && allowed.scalar_type() == at::kBool && allowed.size(0) == scores_in.size(0) &&
                   allowed.size(1) == scores_in.size(1) && allowed.stride(1) == 1,
               "allowed must be bool [B, S] with contiguous rows");
