@@ -13,6 +13,9 @@ and confinement setup (reading its job, uid drop, rlimits, audit hook), run (can
 namespaces, tmpfs mounts, zygote, self test) amortised over the batch, and the CPU time per verdict. Every check_many
 forks one child per job, and that child reads only its own job.
 
+Then the per-verdict cost of the kernel layer (seccomp allowlist + private root): the same batch with it on and
+off (test-only switches), alternated in one sitting.
+
     python -m benchmarks.bench_verifier            # full run (~1 minute)
     python -c "from benchmarks.bench_verifier import run; run(quick=True)"
 """
@@ -127,6 +130,44 @@ def bench_verifier(n_single: int, n_batch: int, workers: int = WORKERS) -> dict[
     return out
 
 
+LAYER_SWITCHES = ("GLM_VERIFIER_UNSAFE_NO_SECCOMP", "GLM_VERIFIER_UNSAFE_NO_PRIVATE_ROOT")
+
+
+def bench_kernel_layer(n_batch: int, rounds: int = 3, workers: int = WORKERS) -> dict[str, Any]:
+    """Per-verdict cost of the issue-30 layer (seccomp allowlist + private root), alternating on/off in one sitting:
+    each round runs the same batch with the layer on and off (test-only switches), and the best of the rounds is
+    kept for each (the machine is shared: the fastest run is the least disturbed)."""
+    import logging
+
+    quiet = logging.getLogger("glm_lightning.verifier")
+    quiet.setLevel(logging.ERROR)  # "off" is a weaker sandbox on purpose: no warning per round
+    best: dict[str, Any] = {}
+    saved = {name: os.environ.get(name) for name in LAYER_SWITCHES}
+    try:
+        for _ in range(rounds):
+            for mode in ("on", "off"):
+                for name in LAYER_SWITCHES:
+                    if mode == "off":
+                        os.environ[name] = "1"
+                    else:
+                        os.environ.pop(name, None)
+                got = bench_verifier(0, n_batch, workers)
+                row = {"verdicts_per_s": got["check_many"]["verdicts_per_s"],
+                       "cpu_ms": got["cpu_ms_per_verdict"]["sandbox"], "server_start_ms": got["server_start_ms"]}
+                if mode not in best or row["verdicts_per_s"] > best[mode]["verdicts_per_s"]:
+                    best[mode] = row
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        quiet.setLevel(logging.NOTSET)
+    best["cost_ms_per_verdict"] = {"wall": 1000 / best["on"]["verdicts_per_s"] - 1000 / best["off"]["verdicts_per_s"],
+                                   "cpu": best["on"]["cpu_ms"] - best["off"]["cpu_ms"]}
+    return best
+
+
 def run(quick: bool = False) -> dict[str, Any]:
     """Measure and print; returns every number as a dict."""
     n_base, n_single, n_batch = (30, 60, 300) if quick else (100, 200, 1500)
@@ -141,10 +182,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     results["breakdown_ms"], results["cpu_ms_per_verdict"] = main["breakdown_ms"], main["cpu_ms_per_verdict"]
     wide = bench_verifier(0, n_batch, workers=2 * WORKERS)
     results[f"check_many_x{2 * WORKERS}"] = wide["check_many"]
+    results["kernel_layer"] = bench_kernel_layer(n_batch // 2)
     results["ratio_batched_over_baseline"] = results["check_many"]["verdicts_per_s"] / \
         results["baseline"]["verdicts_per_s"]
     results["protections"] = {k: v for k, v in main["protections"].items()
-                              if k in ("launcher", "mount_namespace", "private_tmpfs", "ipc_namespace",
+                              if k in ("launcher", "private_root", "seccomp", "mount_namespace", "private_tmpfs",
+                                       "ipc_namespace",
                                        "network_namespace", "pid_namespace", "unprivileged_uid", "nproc_enforced",
                                        "audit_hook", "one_job_per_child")}
     try:
@@ -173,6 +216,12 @@ def _print(r: dict[str, Any]) -> None:
     c = r["cpu_ms_per_verdict"]
     print(f"CPU per verdict (ms): sandbox processes {c['sandbox']:.2f} + parent {c['parent']:.2f} "
           f"(baseline subprocess: {r['baseline']['cpu_ms_per_verdict']:.2f})")
+    k = r["kernel_layer"]
+    print(f"kernel layer (seccomp allowlist + private root), best of alternating runs, check_many: on "
+          f"{k['on']['verdicts_per_s']:.0f}/s ({k['on']['cpu_ms']:.2f} ms CPU), off {k['off']['verdicts_per_s']:.0f}/s "
+          f"({k['off']['cpu_ms']:.2f} ms CPU): {k['cost_ms_per_verdict']['wall']:+.2f} ms wall, "
+          f"{k['cost_ms_per_verdict']['cpu']:+.2f} ms CPU per verdict; server start {k['on']['server_start_ms']:.0f} "
+          f"vs {k['off']['server_start_ms']:.0f} ms")
     print(f"protections: {r['protections']}")
 
 

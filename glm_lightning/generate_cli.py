@@ -123,6 +123,8 @@ def run(argv: Sequence[str], out: Callable[[str], None] | None = None) -> list[t
     model = load_model(args.ckpt)
     generator = torch.Generator().manual_seed(args.seed)
     verifier = VerifierSettings(workers=1).build() if tasks else None
+    if verifier is not None:  # what isolates the samples here, or which promised protection is missing
+        sys.stderr.write(verifier.summary() + "\n")
     results = []
     try:
         for task in tasks or [None]:

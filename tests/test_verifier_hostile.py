@@ -188,6 +188,7 @@ EXPECTED_STATUS = {
     "inspect_frames": "failed", "traceback_frames": "failed", "generator_frame": "failed",
 }
 assert set(EXPECTED_STATUS) <= {case[0] for case in HOSTILE}
+READS_TO_KERNEL = ("read_etc_passwd", "list_proc_fds")  # reads are the kernel's business in the private root
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -281,7 +282,10 @@ def test_hostile_candidate_is_contained(verifier, places, name, source, entry_po
     assert verdict.passed_cases < verdict.total_cases
     assert elapsed <= TIMEOUT_S + 1.0, f"{name} took {elapsed:.2f} s"
     assert_host_untouched(verifier, places, before)
-    assert verdict.status == EXPECTED_STATUS.get(name, verdict.status), verdict
+    expected = EXPECTED_STATUS.get(name, verdict.status)
+    if name in READS_TO_KERNEL and verifier.protections["private_root"]:
+        expected = "failed"  # the private root has no /etc/passwd and /proc/self/fd is the child's own: nothing found
+    assert verdict.status == expected, verdict
 
 
 def test_verifier_healthy_after_corpus(verifier, places):

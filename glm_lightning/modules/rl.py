@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.loggers.logger import DummyLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from glm_lightning.evaluation import VerifierSettings, completion_finished, verifier_jobs
 from glm_lightning.generation import generate
@@ -120,6 +120,9 @@ class RLModule(StageModule):
     # --- the run's wall time ---------------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
         self._fit_t0 = time.perf_counter()
+        summary = getattr(self.verifier, "summary", None)  # started now: the log says at once what isolates rewards
+        if callable(summary):
+            rank_zero_info(summary())
 
     def on_train_end(self) -> None:
         """Print and log (`time/run_s`) the run's wall time so far: start-of-training evaluations, training and the

@@ -5,13 +5,13 @@
         verdict = v.check(source, "entry_point", [((1,), 2), ((2,), 3)])
 
 Layout (one concept per file): verdict.py (result type), protocol.py (type-tagged encoding), guards.py (audit
-hook), child.py (confinement + candidate runner inside the sandbox), launcher.py (namespaces and private tmpfs,
-then exec of the zygote), zygote.py (fork server), cleanup.py (iterative removal of what candidates leave),
+hook: error messages), seccomp.py (the kernel's syscall allowlist), child.py (confinement + candidate runner inside
+the sandbox), launcher.py (namespaces, private root and tmpfs, then exec of the zygote), zygote.py (fork server), cleanup.py (iterative removal of what candidates leave),
 pool.py (parent-side process management and scheduling), judge.py (strict, bounded result checking), verifier.py
 (public API). See docs/verifier.md for the design, the threat-model table and the fallback.
 """
 
 from .verdict import Verdict
-from .verifier import Verifier
+from .verifier import Verifier, WeakerSandboxError
 
-__all__ = ["Verdict", "Verifier"]
+__all__ = ["Verdict", "Verifier", "WeakerSandboxError"]

@@ -6,8 +6,8 @@ Stdlib only; imported by the zygote as a top-level module (see zygote.py), never
    the next job stays in the kernel pipe), reports "started" on a private control pipe and closes that pipe.
 1. `confine`: new process group, stdin/stdout/stderr -> /dev/null, every other fd closed except the result
    pipe (moved to a random high number), cwd = a private empty directory, environment cleared, rlimits with
-   soft == hard (CPU, address space, file size, open files, processes, core dumps), then the uid is dropped to an
-   unprivileged one (as root RLIMIT_NPROC and file permissions would otherwise protect nothing).
+   soft == hard (CPU, address space, file size, open files, processes, queued signals, core dumps), then the uid is
+   dropped to an unprivileged one (as root RLIMIT_NPROC and file permissions would otherwise protect nothing).
 2. Test inputs are decoded and the result encoder is built *before* candidate code exists.
 3. `guards.install` adds the audit hook (irremovable).
 4. The candidate is compiled and executed; the entry point is called once per test input. After each call the raw
@@ -133,6 +133,9 @@ def confine(result_fd: int, workdir: str, config: dict[str, Any]) -> tuple[int, 
     _setrlimit(resource.RLIMIT_NOFILE, OPEN_FILES_LIMIT)
     _setrlimit(resource.RLIMIT_NPROC, 0)
     _setrlimit(resource.RLIMIT_CORE, 0)
+    # No queued real-time signals: the count of pending signals is per uid, so a candidate filling it would be
+    # visible to another one (a channel), and each costs kernel memory. Standard signals are unaffected.
+    _setrlimit(resource.RLIMIT_SIGPENDING, 0)
     if uid is not None:
         os.setgroups([])
         os.setgid(int(config["gid"]))
@@ -229,13 +232,15 @@ def run_candidate(ctl_fd: int, result_fd: int, workdir: str, config: dict[str, A
         inputs = job["inputs"]
         if type(inputs) is not list or any(type(args) is not tuple for args in inputs):
             raise ValueError("inputs must be tuples")
-        _run(job, fd, workdir, roots, inputs, bool(config.get("audit_hook", True)))
+        _run(job, fd, workdir, roots, inputs, bool(config.get("audit_hook", True)),
+             bool(config.get("sandbox", {}).get("private_root")))
     except BaseException:
         _exit(EXIT_INTERNAL_ERROR)
     _exit(0)
 
 
-def _run(job: dict[str, Any], fd: int, workdir: str, roots: tuple[str, ...], inputs: list, hook: bool) -> None:
+def _run(job: dict[str, Any], fd: int, workdir: str, roots: tuple[str, ...], inputs: list, hook: bool,
+         private_root: bool = False) -> None:
     """Execute the candidate; every reference it needs is bound before candidate code runs."""
     emit, flush = _make_emitter(fd)
     encode = ENCODE
@@ -258,7 +263,7 @@ def _run(job: dict[str, Any], fd: int, workdir: str, roots: tuple[str, ...], inp
 
     flush()  # nothing pending yet; binds the emitter before the hook exists
     if hook:  # off only in tests that check what the OS layer alone contains
-        guards.install(workdir, roots, fd)
+        guards.install(workdir, roots, fd, reads_anywhere=private_root)
     emit('["t",' + _float_repr(_monotonic()) + "]")
 
     done = 0
@@ -331,15 +336,19 @@ def probe(result_fd: int, workdir: str, config: dict[str, Any]) -> NoReturn:
             report["fork_blocked"] = False
         import socket
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.settimeout(1.0)
         try:
-            sock.connect(("127.0.0.1", 9))
-            report["loopback"] = "connected"
-        except OSError as exc:
-            report["loopback"] = os.strerror(exc.errno) if exc.errno else type(exc).__name__
-        finally:
-            sock.close()
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        except OSError as exc:  # the seccomp allowlist refuses network sockets outright
+            report["loopback"] = "socket: " + (os.strerror(exc.errno) if exc.errno else type(exc).__name__)
+        else:
+            sock.settimeout(1.0)
+            try:
+                sock.connect(("127.0.0.1", 9))
+                report["loopback"] = "connected"
+            except OSError as exc:
+                report["loopback"] = os.strerror(exc.errno) if exc.errno else type(exc).__name__
+            finally:
+                sock.close()
         try:
             with open("/proc/self/net/dev") as fh:
                 report["interfaces"] = sorted(line.split(":")[0].strip() for line in fh.readlines()[2:])
@@ -359,6 +368,13 @@ def probe(result_fd: int, workdir: str, config: dict[str, Any]) -> NoReturn:
         report["sysv_ipc_disabled"] = _read_first("/proc/sys/kernel/shmmni") == "0" and \
             _read_first("/proc/sys/kernel/msgmni") == "0"
         report["memfd_noexec"] = _read_first("/proc/sys/vm/memfd_noexec")
+        report["seccomp_mode"] = _status_field("Seccomp")  # "2": a filter is active (reported by the kernel)
+        report["seccomp_filters"] = _status_field("Seccomp_filters")
+        report["no_new_privs"] = _status_field("NoNewPrivs")
+        report["locks_refused"] = _lock_refused()
+        hidden = config.get("hidden_probe")
+        report["host_sources_hidden"] = bool(hidden) and not os.path.lexists(hidden)
+        report["root_entries"] = sorted(os.listdir("/"))
         os.write(fd, json.dumps(report).encode() + b"\n")
     except BaseException as exc:  # report what went wrong instead of hanging the handshake
         try:
@@ -367,6 +383,35 @@ def probe(result_fd: int, workdir: str, config: dict[str, Any]) -> NoReturn:
             pass
         os._exit(EXIT_INTERNAL_ERROR)
     os._exit(0)
+
+
+def _status_field(name: str) -> str | None:
+    for line in (_read_all("/proc/self/status") or "").splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def _lock_refused() -> bool:
+    """A lock on a shared inode (/dev/null: the same inode for every process on the host) must be refused."""
+    import fcntl
+
+    fd = os.open("/dev/null", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _read_all(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return None
 
 
 def _read_first(path: str) -> str | None:

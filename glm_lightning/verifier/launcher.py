@@ -1,25 +1,31 @@
-"""First stage of every sandbox server: create the namespaces, mount private tmpfs, then exec the zygote.
+"""First stage of every sandbox server: namespaces, a private root, the seccomp allowlist, then exec of the zygote.
 
-Why a separate script: Python 3.11 has no `os.unshare`/`mount`, so this uses ctypes on libc. It is our own trusted
-code and runs before any candidate exists; `execv` then replaces the whole interpreter, so neither ctypes nor anything
-else from here is present in the zygote or in the children it forks.
+Why a separate script: Python 3.11 has no `os.unshare`/`mount`, so this uses ctypes on libc (and on libseccomp, see
+seccomp.py). It is our own trusted code and runs before any candidate exists; `execv` then replaces the interpreter.
 
     parent --Popen--> python -I -S -B launcher.py CONFIG          (this file; stays as the waiting parent)
                         unshare(user?) mount ipc net pid, each tried on its own (what works is reported)
                         fork --> PID 1 of the new PID namespace:
-                                 / made private, fresh /proc, tmpfs (noexec,nosuid,nodev, size-capped) on /tmp,
-                                 /var/tmp, /dev/shm and the work area, IPC object limits set to 0, memfd noexec,
-                                 every other mount re-mounted read-only
-                                 execv python -I -S -B zygote.py CONFIG+report
+                                 private root: a tmpfs holding only the interpreter, its lib directory (standard
+                                 library; site-packages masked), system libraries, /usr/share/zoneinfo, four
+                                 devices and copies of the sandbox scripts; pivot_root into it, old root detached
+                                 (the project's sources, e.g. the tasks' reference solutions, are not there at all);
+                                 fresh /proc (hidepid=2), tmpfs (noexec,nosuid,nodev, size-capped) on /tmp,
+                                 /var/tmp, /dev/shm and the work area, IPC object limits 0, memfd noexec,
+                                 every other mount read-only; the zygote's staging pipe created and sized;
+                                 seccomp allowlist loaded (inherited by the zygote and every child it forks)
+                                 execv python -I -S -B /verifier/zygote.py CONFIG+report
 
 The waiting parent turns SIGTERM/SIGINT/SIGHUP into SIGKILL of the zygote (whose death ends the PID namespace with
 every process in it) and exits with the zygote's status. Anything that fails is recorded and skipped: the zygote
-then runs with less isolation and `Verifier.protections` says so (docs/verifier.md, "Fallback").
+then runs with less isolation, `Verifier.protections` says so, and the Verifier refuses to run untrusted code unless
+the caller opted in to a weaker sandbox (docs/verifier.md, "Fallback").
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import signal
@@ -27,7 +33,22 @@ import sys
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # -I keeps the script's directory off sys.path
+import seccomp  # noqa: E402
+
+sys.path.remove(HERE)
 ZYGOTE_SCRIPT = os.path.join(HERE, "zygote.py")
+# What the zygote needs of this directory; copied into the private root (the project itself is never visible there).
+SANDBOX_MODULES = ("zygote.py", "child.py", "cleanup.py", "guards.py", "protocol.py")
+ROOT_SCRIPT_DIR = "/verifier"
+# Host paths the private root shows read-only besides the interpreter and its lib directory: shared libraries the
+# standard library's extension modules link against, the loader cache and the time zone database (zoneinfo).
+SYSTEM_PATHS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32", "/usr/share/zoneinfo",
+                "/etc/ld.so.cache")
+DEVICES = ("null", "zero", "urandom", "random")
+ROOT_CANDIDATES = ("/mnt", "/srv", "/media", "/opt", "/boot", "/home", "/var")  # where the new root is assembled
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+MNT_DETACH = 2
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET = 0x00020000, 0x08000000, 0x40000000
 CLONE_NEWPID, CLONE_NEWUSER = 0x20000000, 0x10000000
@@ -86,6 +107,67 @@ def create_namespaces(as_root: bool) -> dict[str, bool]:
     return done
 
 
+def _bind(source: str, target: str) -> None:
+    """Read-only bind mount of one host path (file or directory) at `target` (created first)."""
+    if os.path.isdir(source):
+        os.makedirs(target, 0o755, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
+    mount(source, target, None, MS_BIND, None)
+    present = os.statvfs(target).f_flag  # keep the source mount's nodev/noexec (a user namespace may not drop them)
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
+    flags |= (MS_NODEV if present & os.ST_NODEV else 0) | (MS_NOEXEC if present & os.ST_NOEXEC else 0)
+    mount(None, target, None, flags, None)
+
+
+def pivot_to_private_root(report: dict[str, Any]) -> str:
+    """Assemble a root that holds only the interpreter, its standard library, system libraries, a few devices and
+    copies of the sandbox scripts, and pivot into it. The host file system (this project's sources, e.g. the tasks'
+    reference solutions, the caller's files, other users' files) is then unreachable from the zygote and every child.
+    Returns the zygote script's path inside the new root."""
+    python = os.path.realpath(sys.executable)
+    lib = os.path.realpath(os.path.join(sys.base_prefix, "lib"))
+    sources = [python, lib] + [p for p in SYSTEM_PATHS if os.path.lexists(p)]
+    base = next((d for d in ROOT_CANDIDATES if os.path.isdir(d) and not os.path.islink(d)
+                 and not any(p == d or p.startswith(d + "/") for p in sources)), None)
+    if base is None:
+        raise OSError(0, "no directory to assemble the private root in")
+    mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,nr_inodes=4096,mode=0755")
+    old_umask = os.umask(0o022)
+    try:
+        for path in SYSTEM_PATHS:
+            if os.path.islink(path):  # merged /usr: /lib -> usr/lib
+                os.makedirs(base + os.path.dirname(path), 0o755, exist_ok=True)
+                os.symlink(os.readlink(path), base + path)
+            elif os.path.exists(path) and not os.path.exists(base + path):
+                _bind(path, base + path)
+        _bind(lib, base + lib)
+        site = os.path.join(lib, f"python{sys.version_info[0]}.{sys.version_info[1]}", "site-packages")
+        if os.path.isdir(site):  # installed packages are not part of what candidates may use
+            mount("tmpfs", base + site, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0755")
+        _bind(python, base + python)
+        for name in DEVICES:
+            _bind("/dev/" + name, base + "/dev/" + name)
+        os.symlink("/proc/self/fd", base + "/dev/fd")
+        for path in ("/proc", "/tmp", "/var/tmp", "/dev/shm", "/etc"):
+            os.makedirs(base + path, 0o755, exist_ok=True)
+        os.chmod(base + "/tmp", 0o1777)
+        scripts = base + ROOT_SCRIPT_DIR
+        os.makedirs(scripts, 0o755)
+        for name in SANDBOX_MODULES:
+            with open(os.path.join(HERE, name), "rb") as src, open(os.path.join(scripts, name), "wb") as dst:
+                dst.write(src.read())
+    finally:
+        os.umask(old_umask)
+    os.chdir(base)
+    _check(_libc.syscall(ctypes.c_long(PIVOT_ROOT[os.uname().machine]), b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", ctypes.c_int(MNT_DETACH)), "umount old root")
+    os.chdir("/")
+    report["private_root"] = sorted(os.listdir("/"))
+    return os.path.join(ROOT_SCRIPT_DIR, "zygote.py")
+
+
 def _mount_points() -> list[tuple[str, set[str]]]:
     """(mount point, per-mount options) from /proc/self/mountinfo, parents before children."""
     out = []
@@ -97,17 +179,24 @@ def _mount_points() -> list[tuple[str, set[str]]]:
     return out
 
 
-def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: str) -> None:
-    """Private tmpfs for every writable place, a fresh /proc, everything else read-only (in our namespace only)."""
+def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: str, private_root: bool) -> str:
+    """A private root (with PID namespace), private tmpfs for every writable place, a fresh /proc, everything else
+    read-only (in our namespace only). Returns the zygote script's path."""
     mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+    script = ZYGOTE_SCRIPT
+    if spaces["pid"] and private_root:  # a fresh /proc needs the PID namespace; so does hiding the host
+        try:
+            script = pivot_to_private_root(report)
+        except (OSError, KeyError) as exc:
+            report["errors"].append(f"private root: {exc}")
     if spaces["pid"]:
         try:
-            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
             report["private_proc"] = True
         except OSError as exc:
             report["errors"].append(str(exc))
     private = []
-    needed = [HERE + "/", os.path.realpath(sys.executable)]
+    needed = [os.path.dirname(script) + "/", os.path.realpath(sys.executable)]
     if any(p.startswith("/tmp/") for p in needed):  # no private /tmp, so no work tmpfs: keep the host scratch
         needed.append(os.path.realpath(host_scratch) + "/")
     for path, size, inodes in TMPFS:
@@ -147,6 +236,7 @@ def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: 
         except OSError:
             skipped += 1
     report["readonly_remounts"], report["readonly_failed"] = readonly, skipped
+    return script
 
 
 def _set_sysctls(settings: tuple[tuple[str, str], ...]) -> list[str]:
@@ -160,16 +250,34 @@ def _set_sysctls(settings: tuple[tuple[str, str], ...]) -> list[str]:
     return done
 
 
+def _staging_pipe(wanted: int) -> list[int]:
+    """The zygote's kernel staging pipe for results, sized here: the allowlist refuses F_SETPIPE_SZ afterwards (a
+    candidate could otherwise pin 1 MiB of kernel memory per pipe). Inherited by the zygote across execv."""
+    read_fd, write_fd = os.pipe()
+    for size in (4 * wanted, 2 * wanted, wanted):  # slack: spliced pages may be partly filled
+        try:
+            fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, size)
+            break
+        except OSError:
+            continue
+    for fd in (read_fd, write_fd):
+        os.set_inheritable(fd, True)
+    return [read_fd, write_fd]
+
+
 def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int) -> None:
     """In the forked child (PID 1 of the new PID namespace, if any): finish the isolation, then exec."""
     report: dict[str, Any] = {"namespaces": spaces, "errors": [], "private_proc": False, "private_tmpfs": [],
-                              "ipc_limits": [], "memfd_noexec": False, "readonly_remounts": 0}
+                              "ipc_limits": [], "memfd_noexec": False, "readonly_remounts": 0, "private_root": None,
+                              "seccomp": None}
+    script = ZYGOTE_SCRIPT
+    python = os.path.realpath(sys.executable)  # resolved on the host, before any pivot
     try:
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() not in (parent, 0):  # 0: the parent lives outside our new PID namespace
             os._exit(1)
         if spaces["mount"]:
-            setup_mounts(spaces, report, config["scratch"])
+            script = setup_mounts(spaces, report, config["scratch"], bool(config.get("private_root", True)))
     except OSError as exc:
         report["errors"].append(str(exc))
         report["private_tmpfs"], report["private_proc"] = [], False
@@ -177,7 +285,14 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
     if WORK_DIR in report["private_tmpfs"]:
         config["scratch"] = WORK_DIR  # the host scratch directory is not used at all
     os.chdir("/")
-    os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", ZYGOTE_SCRIPT, json.dumps(config)])
+    config["stage_fds"] = _staging_pipe(int(config.get("max_result_bytes", 1 << 20)))
+    if config.get("seccomp", True):  # last: from here on only what the allowlist permits (execve included)
+        try:
+            report["seccomp"] = seccomp.install()
+        except (OSError, AttributeError) as exc:
+            report["errors"].append(f"seccomp: {exc}")
+        config["sandbox"] = report
+    os.execv(python, [python, "-I", "-S", "-B", script, json.dumps(config)])
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from . import cleanup
 from .judge import Reply
 
 LAUNCHER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher.py")
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # glm_lightning/: tasks, sources
 PIPELINE_DEPTH = 2
 START_TIMEOUT_S = 60.0
 GRACE_S = 1.0
@@ -131,7 +132,12 @@ class ZygoteProcess:
         self.config = {"uid": uid, "gid": gid, "scratch": scratch, "memory_mb": memory_mb, "timeout_s": timeout_s,
                        "isolate": self.want_namespaces,
                        # Test-only switch: shows what the kernel layer contains on its own. Never set in training.
-                       "audit_hook": os.environ.get("GLM_VERIFIER_UNSAFE_NO_AUDIT_HOOK") != "1"}
+                       "audit_hook": os.environ.get("GLM_VERIFIER_UNSAFE_NO_AUDIT_HOOK") != "1",
+                       # Test/benchmark-only switch: measures what the syscall allowlist costs. Never set in training.
+                       "seccomp": os.environ.get("GLM_VERIFIER_UNSAFE_NO_SECCOMP") != "1",
+                       "private_root": os.environ.get("GLM_VERIFIER_UNSAFE_NO_PRIVATE_ROOT") != "1",
+                       # A host path the start-up probe must NOT see (this project's sources).
+                       "hidden_probe": PROJECT_DIR}
         self.proc: subprocess.Popen | None = None
         self.hello: dict[str, Any] = {}
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import keyword
+import logging
 import math
+import os
 import secrets
 import weakref
 from collections.abc import Sequence
@@ -17,6 +19,19 @@ from .verdict import Verdict
 MAX_SOURCE_CHARS = 200_000
 MAX_TESTS = 1_000
 MIN_MEMORY_MB = 64
+ALLOW_WEAKER_ENV = "GLM_VERIFIER_ALLOW_WEAKER_SANDBOX"
+UNSAFE_TEST_SWITCHES = ("GLM_VERIFIER_UNSAFE_NO_AUDIT_HOOK", "GLM_VERIFIER_UNSAFE_NO_SECCOMP",
+                        "GLM_VERIFIER_UNSAFE_NO_PRIVATE_ROOT")
+# The protections docs/verifier.md promises (keys of `protections`); any of them missing makes the sandbox weaker.
+PROMISED = ("mount_namespace", "private_root", "host_sources_hidden", "private_tmpfs", "pid_namespace",
+            "private_proc", "ipc_namespace", "sysv_ipc_disabled", "network_namespace", "seccomp", "locks_refused",
+            "unprivileged_uid", "nproc_enforced", "memfd_noexec", "audit_hook")
+PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm", "/tmp/.glm-work")
+log = logging.getLogger("glm_lightning.verifier")
+
+
+class WeakerSandboxError(RuntimeError):
+    """A protection the docs promise is not active here and the caller did not opt in to a weaker sandbox."""
 
 Test = tuple[tuple, Any]
 
@@ -33,7 +48,8 @@ class Verifier:
     zygote with a process-group SIGKILL; RLIMIT_CPU is a second bound.
     """
 
-    def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256, workers: int = 2) -> None:
+    def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256, workers: int = 2,
+                 allow_weaker_sandbox: bool = False) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
                 or not 0 < timeout_s <= 600:
             raise ValueError(f"timeout_s must be a number in (0, 600], got {timeout_s!r}")
@@ -46,6 +62,16 @@ class Verifier:
         self.workers = workers
         self._pool = ZygotePool(workers, memory_mb, self.timeout_s)
         self._finalizer = weakref.finalize(self, self._pool.close)  # also runs at interpreter exit
+        self.missing = self.missing_protections()
+        if self.missing:
+            what = f"verifier: weaker sandbox, not active here: {', '.join(self.missing)} (see docs/verifier.md)"
+            opted_in = allow_weaker_sandbox or os.environ.get(ALLOW_WEAKER_ENV) == "1" or \
+                any(os.environ.get(name) == "1" for name in UNSAFE_TEST_SWITCHES)
+            if not opted_in:
+                self.close()
+                raise WeakerSandboxError(f"{what}; refusing to run untrusted code (opt in with "
+                                         f"allow_weaker_sandbox=True or {ALLOW_WEAKER_ENV}=1)")
+            log.warning(what)
         self.stats: dict[str, float] = {"candidates": 0, "fork_s": 0.0, "setup_s": 0.0, "run_s": 0.0,
                                         "cleanup_s": 0.0, "round_trip_s": 0.0}
 
@@ -83,6 +109,13 @@ class Verifier:
             "process_model": "launcher.py (namespaces) -> zygote per worker; one forked child per job, which reads "
                              "its own job from the pipe (the zygote never holds job or result bytes)",
             "launcher": zygote.launcher,
+            "private_root": bool(sandbox.get("private_root")),
+            "visible_root": probe.get("root_entries"),
+            "host_sources_hidden": bool(probe.get("host_sources_hidden")),
+            "seccomp": probe.get("seccomp_mode") == "2" and bool(sandbox.get("seccomp")),
+            "seccomp_allowlist": sandbox.get("seccomp"),
+            "no_new_privs": probe.get("no_new_privs") == "1",
+            "locks_refused": bool(probe.get("locks_refused")),
             "user_namespace": bool(spaces.get("user")),
             "mount_namespace": bool(spaces.get("mount")),
             "private_tmpfs": [p for p in private if p in noexec or p == "/tmp/.glm-work"],
@@ -103,7 +136,7 @@ class Verifier:
             "violations_fatal": True,
             "rlimits": {"cpu_s": int(self.timeout_s) + 2, "address_space_mb": self.memory_mb,
                         "file_size_bytes": child.FILE_SIZE_LIMIT, "open_files": child.OPEN_FILES_LIMIT,
-                        "processes": 0, "core_bytes": 0},
+                        "processes": 0, "core_bytes": 0, "queued_signals": 0},
             "wall_clock_timeout_s": self.timeout_s,
             "process_group_kill": True,
             "clean_environment": True,
@@ -113,10 +146,26 @@ class Verifier:
             "one_job_per_child": True,
             "max_result_bytes": zygote.hello.get("max_result_bytes"),
             "stale_servers_reaped_at_start": self._pool.reaped,
-            "pidfd": bool(probe.get("pidfd")),
+            "child_exit_wakeup": "SIGCHLD",
             "preloaded_modules": len(zygote.hello.get("preloaded", [])),
             "setup_errors": sandbox.get("errors", []),
         }
+
+    def missing_protections(self) -> list[str]:
+        """Names of the promised protections (PROMISED) that are not active on this machine; empty when all are."""
+        active = self.protections
+        missing = [name for name in PROMISED if not active.get(name)]
+        if active.get("private_tmpfs") and set(PRIVATE_TMPFS) - set(active["private_tmpfs"]):
+            missing.append("private_tmpfs " + " ".join(sorted(set(PRIVATE_TMPFS) - set(active["private_tmpfs"]))))
+        return missing
+
+    def summary(self) -> str:
+        """One line for logs at start-up: what isolates candidates here, or what is missing."""
+        if self.missing:
+            return f"verifier: weaker sandbox, not active here: {', '.join(self.missing)} (see docs/verifier.md)"
+        return ("verifier: kernel isolation active (private root without the project's files, seccomp allowlist, "
+                "mount/PID/IPC/network namespaces, private tmpfs, uid " + str(self.protections["unprivileged_uid"]) +
+                ", rlimits); audit hook for messages")
 
     # -- checking ------------------------------------------------------------------------------------------------
     def check(self, source: str, entry_point: str, tests: Sequence[Test]) -> Verdict:

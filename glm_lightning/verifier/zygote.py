@@ -2,7 +2,8 @@
 
 Why: forking the (multithreaded) trainer can deadlock and would copy its memory, secrets and open files into the
 child, while a fresh interpreter per candidate costs tens of ms of CPU. So the parent starts launcher.py once per
-worker (namespaces, private tmpfs), which execs this script; this process then forks one confined child per job.
+worker (namespaces, private root, private tmpfs, seccomp allowlist), which execs this script; this process then
+forks one confined child per job.
 
 One job per child, and no job ever passes through this process: the zygote forks the child *first*, and the child
 itself reads exactly one length-prefixed job frame from stdin (never more), tells the zygote on a private control
@@ -61,21 +62,32 @@ class Zygote:
         self.scratch = config["scratch"]
         self.timeout_s = float(config.get("timeout_s", 2.0))
         self.counter = 0
-        self.has_pidfd = hasattr(os, "pidfd_open")
+        # Child exits wake the supervision loop through SIGCHLD and a wake-up pipe (pidfds are denied by the
+        # seccomp allowlist: a candidate must not get them either).
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        signal.signal(signal.SIGCHLD, _ignore)
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
         self.current_pid: int | None = None
         self.pid1 = os.getpid() == 1
         private = config.get("sandbox", {}).get("private_tmpfs", [])
         self.wipe_dirs = [p for p in SHARED_TMP if p in private]  # ours to empty: private to this namespace
         self.clean_stamp: dict[str, tuple[int, int]] = {}  # (mtime, ctime) of each after its last wipe
         self.sweep_dirs = [p for p in SHARED_TMP if p not in private and config.get("uid") is not None]
-        self.stage_r, self.stage_w = os.pipe()
         wanted = int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES))
-        for size in (4 * wanted, 2 * wanted, wanted):  # slack: spliced pages may be partly filled
-            try:
-                fcntl.fcntl(self.stage_w, fcntl.F_SETPIPE_SZ, size)
-                break
-            except OSError:
-                continue
+        if config.get("stage_fds"):  # created and sized by the launcher before the seccomp filter existed
+            self.stage_r, self.stage_w = (int(fd) for fd in config["stage_fds"])
+            for fd in (self.stage_r, self.stage_w):
+                os.set_inheritable(fd, False)
+        else:
+            self.stage_r, self.stage_w = os.pipe()
+            for size in (4 * wanted, 2 * wanted, wanted):  # slack: spliced pages may be partly filled
+                try:
+                    fcntl.fcntl(self.stage_w, fcntl.F_SETPIPE_SZ, size)
+                    break
+                except OSError:
+                    continue
         self.max_result_bytes = min(wanted, fcntl.fcntl(self.stage_w, fcntl.F_GETPIPE_SZ))
         os.set_blocking(self.stage_w, False)
 
@@ -131,8 +143,10 @@ class Zygote:
         pid = os.fork()
         if pid == 0:  # child: never returns into the server loop
             try:
+                signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                for fd in (ctl_r, res_r, self.stage_r, self.stage_w):
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (ctl_r, res_r, self.stage_r, self.stage_w, self.wake_r, self.wake_w):
                     os.close(fd)
                 child.run_candidate(ctl_w, res_w, workdir, self.config, t_fork)
             finally:
@@ -140,10 +154,9 @@ class Zygote:
         self.current_pid = pid
         os.close(ctl_w)
         os.close(res_w)
-        pidfd = self._pidfd(pid)
         # The job is already waiting in the pipe, so the deadline runs from the fork; the child's start report
         # stays in its control pipe until the child is gone (no extra wake-up per job).
-        header = self._collect(pid, pidfd, res_r, t_fork + self.timeout_s)
+        header = self._collect(pid, res_r, t_fork + self.timeout_s)
         started = _read_report(ctl_r)
         os.close(ctl_r)
         if started is None:  # stdin closed (shutdown) or the job frame was unreadable
@@ -157,30 +170,20 @@ class Zygote:
         self._reply(header)
         return header["cleanup_ok"]  # if anything survived cleanup, exit: the parent starts a fresh namespace
 
-    def _pidfd(self, pid: int) -> int | None:
-        if self.has_pidfd:
-            try:
-                return os.pidfd_open(pid)
-            except OSError:
-                return None
-        return None
-
-    def _collect(self, pid: int, pidfd: int | None, res_r: int, deadline: float) -> dict[str, Any]:
+    def _collect(self, pid: int, res_r: int, deadline: float) -> dict[str, Any]:
         """Move the child's bytes into the staging pipe until it exits, overflows or runs out of time."""
         size, truncated, timed_out, status, hangup = 0, False, False, None, False
         poller = select.poll()
         poller.register(res_r, select.POLLIN)
         poller.register(0, 0)
-        if pidfd is not None:
-            poller.register(pidfd, select.POLLIN)
+        poller.register(self.wake_r, select.POLLIN)
         pipe_open = True
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = True
                 break
-            wait_ms = remaining * 1000 if pidfd is not None else min(remaining * 1000, 2)
-            ready = dict(poller.poll(max(1, int(wait_ms + 0.999))))
+            ready = dict(poller.poll(max(1, int(remaining * 1000 + 0.999))))
             if ready.get(0, 0) & (select.POLLHUP | select.POLLERR):
                 hangup = True
                 break
@@ -195,15 +198,14 @@ class Zygote:
                     pipe_open = False
                     poller.unregister(res_r)
                 size += max(0, moved)
-            if pidfd is not None and pidfd in ready:
-                break
-            if pidfd is None:
+            if self.wake_r in ready:  # SIGCHLD: has our child exited?
+                _drain(self.wake_r)
                 done_pid, raw = os.waitpid(pid, os.WNOHANG)
                 if done_pid:
                     status = raw
                     break
         t_exit = time.monotonic()
-        status = self._finish(pid, pidfd, None, status)
+        status = self._finish(pid, None, status)
         if not truncated:
             while True:  # what the child wrote just before exiting
                 moved = self._splice(res_r, size)
@@ -231,14 +233,12 @@ class Zygote:
         except BlockingIOError:
             return -1
 
-    def _finish(self, pid: int, pidfd: int | None, res_r: int | None, status: int | None = None) -> int:
+    def _finish(self, pid: int, res_r: int | None, status: int | None = None) -> int:
         """SIGKILL the child's process group (and everything else in our PID namespace), reap it, close fds."""
         self._kill_group(pid)
         if status is None:
             status = os.waitpid(pid, 0)[1]
         self.current_pid = None
-        if pidfd is not None:
-            os.close(pidfd)
         if res_r is not None:
             os.close(res_r)
         return status
@@ -300,15 +300,26 @@ class Zygote:
             if not chunk:
                 break
             data += chunk
-        self._finish(pid, None, read_fd)
+        self._finish(pid, read_fd)
         self._cleanup(workdir, 0.0)
         try:
             report = json.loads(data.decode().splitlines()[0])
         except (ValueError, IndexError):
             report = {"error": "probe failed"}
         report["pid_namespace"] = self.pid1
-        report["pidfd"] = self.has_pidfd
         return report
+
+
+def _ignore(_signum: int, _frame: Any) -> None:
+    """SIGCHLD handler: the wake-up pipe written by the C-level handler is what matters."""
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _read_report(ctl_r: int) -> dict[str, Any] | None:
