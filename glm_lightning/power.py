@@ -1,5 +1,6 @@
-"""Power and minimum detectable effect (MDE) of the paired tests the reports use, so a null result can say either
-"no effect larger than X" or "underpowered" instead of only "not significant".
+"""Power and minimum detectable effect (MDE) of the paired tests the reports use, so a null result can say what
+power says, "an effect of ±X would be detected 80% of the time", or "underpowered", instead of only "not
+significant". (Which effects the data exclude comes from the confidence interval, not from the MDE.)
 
 - `sign_flip_power` / `sign_flip_mde`: paired differences of per-seed metrics, tested with the exact two-sided
   sign-flip permutation test (`glm_lightning.stats.sign_flip_permutation_test`), differences ~ Normal(delta, sd).

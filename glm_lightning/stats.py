@@ -224,6 +224,50 @@ def min_attainable_p(n: int) -> float:
     return 1.0 if n <= 0 else min(1.0, 2.0 / 2 ** n)
 
 
+# --- equivalence: two one-sided tests (TOST) -------------------------------------------------------------------------
+# Why: "p >= 0.05" never shows that two arms are alike, and "p < 0.05" does not show that they differ by an amount that
+# matters. TOST tests H0 |shift| >= margin against |shift| < margin with the same exact sign-flip test as the
+# difference test, shifted to each edge of the margin; equivalence holds when both one-sided tests reject.
+def sign_flip_one_sided(diffs: Sequence[float], shift: float = 0.0, alternative: str = "greater",
+                        n_perm: int = 100000, seed: int = 0) -> float:
+    """One-sided sign-flip p of H0 "the differences are symmetric about `shift`" against a mean above it
+    (`alternative="greater"`) or below it ("less"): the fraction of sign patterns s of e = d - shift with
+    sum(s·e) >= sum(e) (or <=). Exact over all 2^n patterns for n <= 20 (smallest p 1/2^n), else `n_perm` seeded
+    random patterns with p = (1 + hits) / (1 + n_perm)."""
+    if alternative not in ("greater", "less"):
+        raise ValueError(f"alternative must be 'greater' or 'less', got {alternative!r}")
+    e = _as_1d(diffs, "diffs") - float(shift)
+    if alternative == "less":
+        e = -e
+    total = float(e.sum())
+    tol = 1e-9 * max(float(np.abs(e).sum()), 1e-300)  # floating-point ties count as hits, as in the two-sided test
+    if e.size <= EXACT_SIGN_FLIP_MAX_N:
+        sums = total - 2.0 * _subset_sums(e)
+        return float(np.mean(sums >= total - tol))
+    if n_perm < 1:
+        raise ValueError(f"n_perm must be >= 1, got {n_perm}")
+    rng = np.random.default_rng(seed)
+    hits, done = 0, 0
+    chunk = max(1, min(n_perm, 2_000_000 // e.size))
+    while done < n_perm:
+        k = min(chunk, n_perm - done)
+        signs = rng.integers(0, 2, size=(k, e.size)) * 2 - 1
+        hits += int(np.sum(signs @ e >= total - tol))
+        done += k
+    return (1 + hits) / (1 + n_perm)
+
+
+def tost_sign_flip(diffs: Sequence[float], margin: float, n_perm: int = 100000, seed: int = 0) -> float:
+    """p of the equivalence test (two one-sided sign-flip tests) of H0 |mean shift| >= margin: the larger of the
+    p's of "shift > -margin" and "shift < +margin". p < alpha shows the shift lies inside ±margin (about the same
+    as the (1 - 2 alpha) interval lying inside it); the 95% interval inside the margin is the stricter rule."""
+    if not margin > 0:
+        raise ValueError(f"the equivalence margin must be > 0, got {margin}")
+    lower = sign_flip_one_sided(diffs, -margin, "greater", n_perm, seed)
+    upper = sign_flip_one_sided(diffs, margin, "less", n_perm, seed)
+    return max(lower, upper)
+
+
 def format_p(p: float) -> str:
     """`0.43`, `0.002`, `3.1e-05`: two significant-ish digits, never `0.000`."""
     if p is None or math.isnan(p):
@@ -264,12 +308,12 @@ def verdict_text(diff: float, lo: float, hi: float, p: float, n: int, *, p_adjus
 
     The decision uses `p_adjusted` when given (e.g. Holm across the study's `n_tests` comparisons), else p. Values
     are shown multiplied by `scale` (e.g. 100 to show accuracies as points) with `unit` appended. A null result
-    states what the study could have seen: "no effect larger than ±mde" (`mde` = minimum detectable effect at 80%
-    power, `glm_lightning.power`) or "underpowered" when n is too small for the exact test to ever reach alpha.
+    states what power says: "an effect of ±mde would be detected 80% of the time" (`mde` = minimum detectable effect
+    at 80% power, `glm_lightning.power`) or "underpowered" when n is too small for the exact test to ever reach alpha.
     Examples:
 
-    - `no significant difference at n=10 seeds (p=0.43, Holm-adjusted); no effect larger than ±2.1 points (MDE at
-      80% power)`
+    - `no significant difference at n=10 seeds (p=0.43, Holm-adjusted); an effect of ±2.1 points would be detected
+      80% of the time (MDE)` (which effects the data exclude comes from the interval, not from the MDE)
     - `variant beats control by +3.1 points [95% CI 1.2, 5.0], p=0.002`
     - `variant is worse than control by -2.0 points [95% CI -3.1, -0.9], p=0.004 (Holm-adjusted)`
     - `no significant difference at n=2 seeds (p=0.50); underpowered: with 2 seeds the smallest attainable p is
@@ -286,7 +330,7 @@ def verdict_text(diff: float, lo: float, hi: float, p: float, n: int, *, p_adjus
         if weak is not None:
             return f"{text}; {weak}"
         if mde is not None and math.isfinite(mde) and mde > 0:
-            text += f"; no effect larger than ±{_fmt(mde * scale, digits)}{unit_s} (MDE at 80% power)"
+            text += f"; an effect of ±{_fmt(mde * scale, digits)}{unit_s} would be detected 80% of the time (MDE)"
         elif mde is not None and math.isinf(mde):
             text += "; underpowered: no effect size reaches 80% power at this n"
         return text

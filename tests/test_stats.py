@@ -8,7 +8,8 @@ from scipy import stats as sps
 
 from glm_lightning.stats import (
     bootstrap_ci, format_p, holm, mcnemar_exact, mean_ci, min_attainable_p, paired_bootstrap_ci,
-    sign_flip_ci, sign_flip_permutation_test, underpowered_text, verdict_text, wilson_interval,
+    sign_flip_ci, sign_flip_one_sided, sign_flip_permutation_test, tost_sign_flip, underpowered_text, verdict_text,
+    wilson_interval,
 )
 
 
@@ -216,8 +217,8 @@ def test_sign_flip_ci_large_n_uses_t_interval():
 def test_null_verdict_states_the_mde():
     text = verdict_text(0.004, -0.01, 0.02, 0.43, n=10, p_adjusted=0.6, scale=100, unit="points", mde=0.021,
                         n_tests=2)
-    assert text == ("no significant difference at n=10 seeds (p=0.60, Holm-adjusted); no effect larger than "
-                    "±2.1 points (MDE at 80% power)")
+    assert text == ("no significant difference at n=10 seeds (p=0.60, Holm-adjusted); an effect of ±2.1 points "
+                    "would be detected 80% of the time (MDE)")
     assert "underpowered" in verdict_text(0.0, 0, 0, 0.5, n=10, mde=math.inf)
 
 
@@ -225,7 +226,52 @@ def test_null_verdict_states_the_mde():
 def test_underpowered_verdicts(n, n_tests, floor):
     text = verdict_text(0.05, -math.inf, math.inf, 1.0, n=n, n_tests=n_tests, mde=math.inf)
     assert f"underpowered: with {n} seeds" in text and f"smallest attainable p is {floor}" in text
-    assert "no effect larger" not in text
+    assert "would be detected" not in text
     needed = 7 if n_tests == 2 else 6
     assert text.endswith(f"at least {needed} seeds are needed")
     assert underpowered_text(10, 0.05, 1) is None and underpowered_text(6, 0.05, 1) is None
+
+
+# --- equivalence (TOST) ----------------------------------------------------------------------------------------------
+def _one_sided_by_hand(d, shift, greater):
+    """Every sign pattern written out (itertools), independent of the subset-sum enumeration."""
+    import itertools
+
+    e = [x - shift for x in d]
+    if not greater:
+        e = [-x for x in e]
+    total = sum(e)
+    pats = list(itertools.product((1, -1), repeat=len(e)))
+    return sum(sum(s * x for s, x in zip(pat, e)) >= total - 1e-12 for pat in pats) / len(pats)
+
+
+@pytest.mark.parametrize("d", [[0.3, -0.2, 0.5, 0.1, -0.4, 0.25, 0.05],
+                               [-1.2, -0.8, -1.5, -0.9, -1.1, -1.3]])
+def test_one_sided_sign_flip_and_tost_by_hand(d):
+    for shift in (-2.0, -0.5, 0.0, 0.7):
+        assert sign_flip_one_sided(d, shift, "greater") == pytest.approx(_one_sided_by_hand(d, shift, True))
+        assert sign_flip_one_sided(d, shift, "less") == pytest.approx(_one_sided_by_hand(d, shift, False))
+    for margin in (0.5, 1.0, 2.0, 5.0):
+        expected = max(_one_sided_by_hand(d, -margin, True), _one_sided_by_hand(d, margin, False))
+        assert tost_sign_flip(d, margin) == pytest.approx(expected)
+
+
+def test_tost_equivalence_behaves():
+    d = [-3.0 + x for x in np.linspace(-2.56, 2.56, 20)]  # a significant -3.0 [-3.8, -2.2]
+    assert sign_flip_permutation_test(d) < 0.05
+    assert tost_sign_flip(d, 5.0) < 0.05  # ... yet inside ±5: equivalent
+    assert tost_sign_flip(d, 3.0) > 0.4  # the mean sits at the margin: not equivalent
+    assert tost_sign_flip(d, 2.0) > 0.99  # the whole interval lies beyond the margin
+    assert tost_sign_flip([0.0] * 6, 1.0) == pytest.approx(1 / 64)  # the smallest one-sided p of 6 pairs
+    with pytest.raises(ValueError, match="margin"):
+        tost_sign_flip(d, 0.0)
+    with pytest.raises(ValueError, match="alternative"):
+        sign_flip_one_sided(d, 0.0, "both")
+
+
+def test_tost_monte_carlo_for_many_pairs_agrees_with_the_t_version():
+    d = np.random.default_rng(5).normal(0.4, 1.0, size=40)
+    p = tost_sign_flip(d, 1.0, n_perm=20000)
+    se = np.std(d, ddof=1) / np.sqrt(d.size)
+    t_p = max(sps.t.sf((d.mean() + 1.0) / se, d.size - 1), sps.t.cdf((d.mean() - 1.0) / se, d.size - 1))
+    assert p == pytest.approx(t_p, abs=0.02)

@@ -53,7 +53,7 @@ def test_null_result_states_the_mde(tmp_path):
     assert comp.mde == pytest.approx(0.996 * np.std(noise, ddof=1), rel=1e-3)  # 10 seeds: 0.996 SD
     mde_points = f"{comp.mde * 100:.1f}"
     row = _row(report, "| interleaved | 10 |")
-    assert f"no effect larger than ±{mde_points} points (MDE at 80% power)" in row and f"| ±{mde_points} |" in row
+    assert f"an effect of ±{mde_points} points would be detected 80% of the time (MDE)" in row and f"| ±{mde_points} |" in row
     assert f"minimum detectable effect at 80% power is ±{mde_points} points" in report
 
 

@@ -17,15 +17,21 @@ The verdict rule (`judge`), stated once so the findings table and its tests use 
 - **Effect claims** (the tutorial's p < 0.05): *reproduced* when our difference has the tutorial's sign and our p
   < 0.05 (noting when our 95% CI excludes the tutorial's size); *refuted* when it has the opposite sign with
   p < 0.05, or when it is not significant and our CI excludes the tutorial's effect (an effect that large is ruled
-  out); otherwise *inconclusive*: "underpowered" when no effect up to the tutorial's size reaches 80% power at our
-  n (MDE infinite or larger than the tutorial's effect), else "no effect larger than ±MDE detected".
-- **Null claims** (the tutorial's p >= 0.05, "no difference"): *refuted* when our p < 0.05 (saying so when the
-  difference, though real, is small: its whole CI inside ±margin); *reproduced* when our
-  p >= 0.05 and our 95% CI lies inside ±margin (differences that would matter are ruled out); otherwise
-  *inconclusive* ("underpowered" or "no effect larger than ±MDE detected, but the CI reaches beyond ±margin").
+  out); otherwise *inconclusive*: "underpowered" when an effect of the tutorial's size would be detected less than
+  80% of the time at our n (MDE infinite or larger than the tutorial's effect), else the CI says which effects
+  remain possible.
+- **Null claims** (the tutorial's p >= 0.05, "no difference"), judged by two tests: the difference test (p) and
+  the equivalence test (two one-sided sign-flip tests at ±margin, TOST: `stats.tost_sign_flip`), both Holm-adjusted
+  across the study's comparisons of the metric:
+  * *reproduced*: equivalent (TOST p < 0.05) and no significant difference;
+  * *equivalent (a small difference)*: equivalent and significant: a real difference, but inside ±margin;
+  * *refuted*: a significant difference that is not shown to lie inside ±margin;
+  * *inconclusive*: neither ("underpowered" when an effect of the margin's size would be detected less than 80% of
+    the time, else the CI reaches beyond ±margin).
 
-Our p is Holm-adjusted when the study makes several comparisons (as in its report); the CI is the per-comparison
-interval that inverts the exact sign-flip test.
+The MDE is only what power says: an effect of ±MDE would be detected 80% of the time; which effects the data
+exclude comes from the CI. Our p is Holm-adjusted when the study makes several comparisons (as in its report); the CI
+is the per-comparison interval that inverts the exact sign-flip test.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from glm_lightning.stats import format_p
 
 ALPHA = 0.05
 CLAIM_KEYS = {"claim", "variant", "tutorial", "margin", "metric", "measure", "earlier"}
@@ -64,7 +72,7 @@ class Claim:
 
 @dataclass(frozen=True)
 class Verdict:
-    word: str  # reproduced / refuted / inconclusive
+    word: str  # reproduced / refuted / equivalent (a small difference) / inconclusive
     why: str
 
 
@@ -126,38 +134,54 @@ def _fmt(x: float) -> str:
 
 
 def _power_note(mde: float, reference: float) -> str | None:
-    """Why the study could not tell, or None when it had power for effects of size `reference`."""
+    """Why the study could not tell, or None when an effect of size `reference` would be detected 80% of the
+    time."""
     if math.isnan(mde):
         return "MDE not computable"
     if math.isinf(mde):
         return "underpowered: too few seeds for p < 0.05"
     if mde > reference:
-        return f"underpowered: MDE ±{mde:.1f} exceeds {reference:.1f}"
+        return (f"underpowered: an effect of {reference:.1f} would be detected less than 80% of the time "
+                f"(MDE ±{mde:.1f})")
     return None
 
 
-def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float) -> Verdict:
-    """The verdict for our `diff` [lo, hi] (display units), p (Holm-adjusted if several comparisons) and MDE at 80%
-    power, by the rule in the module docstring. NaN p (no paired seeds) raises: a missing run is not a verdict."""
+def _ci_text(lo: float, hi: float) -> str:
+    return f"[{_fmt(lo)}, {_fmt(hi)}]" if math.isfinite(lo) and math.isfinite(hi) else "no finite CI"
+
+
+def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float,
+          p_equivalence: float | None = None) -> Verdict:
+    """The verdict for our `diff` [lo, hi] (display units), p (Holm-adjusted if several comparisons), MDE at 80%
+    power and, for a null claim, the equivalence test's p at ±margin (TOST, Holm-adjusted alike), by the rule in
+    the module docstring. NaN p (no paired seeds) raises: a missing run is not a verdict."""
     if math.isnan(p):
         raise ValueError("no paired result to judge")
     has_ci = math.isfinite(lo) and math.isfinite(hi)
     significant = p < ALPHA
     if claim.is_null:
+        if p_equivalence is None or math.isnan(p_equivalence):
+            raise ValueError("a null claim needs the equivalence test's p (TOST at its margin)")
         margin = float(claim.margin or 0.0)
+        equivalent = p_equivalence < ALPHA
+        tost = f"equivalence test (TOST at ±{margin:g}) p={format_p(p_equivalence)}"
+        sign = ""
+        if claim.effect and diff and (claim.effect > 0) != (diff > 0):
+            sign = f"; opposite in sign to the tutorial's (non-significant) {_fmt(claim.effect)}"
+        if equivalent and significant:
+            return Verdict("equivalent (a small difference)",
+                           f"a real difference of {_fmt(diff)} {_ci_text(lo, hi)}, p={format_p(p)}, but inside "
+                           f"±{margin:g}, the margin that would matter: {tost}")
+        if equivalent:
+            return Verdict("reproduced", f"no difference that matters: {tost}, difference p={format_p(p)}")
         if significant:
-            small = (f"; small: the whole 95% CI lies inside ±{margin:g}, the margin that would matter"
-                     if has_ci and margin and -margin <= lo and hi <= margin else "")
-            if claim.effect and (claim.effect > 0) != (diff > 0):
-                small += f"; opposite in sign to the tutorial's (non-significant) {_fmt(claim.effect)}"
-            return Verdict("refuted", f"a difference of {_fmt(diff)} where the tutorial found none{small}")
-        if has_ci and -margin <= lo and hi <= margin:
-            return Verdict("reproduced", f"no difference: the 95% CI lies inside ±{margin:g}")
+            return Verdict("refuted", f"a difference of {_fmt(diff)} {_ci_text(lo, hi)} where the tutorial found "
+                                      f"none, not shown to lie inside ±{margin:g} ({tost}){sign}")
         weak = _power_note(mde, margin)
         if weak:
-            return Verdict("inconclusive", weak)
-        return Verdict("inconclusive", f"no effect larger than ±{mde:.1f} detected; the CI reaches beyond "
-                                       f"±{margin:g}")
+            return Verdict("inconclusive", f"{weak}; {tost}")
+        return Verdict("inconclusive", f"not significant and not shown equivalent ({tost}): the 95% CI "
+                                       f"{_ci_text(lo, hi)} reaches beyond ±{margin:g}")
     same_sign = (diff > 0) == (claim.effect > 0) and diff != 0
     excludes = has_ci and not lo <= claim.effect <= hi
     if significant and same_sign:
@@ -174,4 +198,5 @@ def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float)
     weak = _power_note(mde, abs(claim.effect))
     if weak:
         return Verdict("inconclusive", weak)
-    return Verdict("inconclusive", f"no effect larger than ±{mde:.1f} detected")
+    return Verdict("inconclusive", f"not significant; effects outside the 95% CI {_ci_text(lo, hi)} are excluded, "
+                                   f"and an effect of ±{mde:.1f} would be detected 80% of the time")

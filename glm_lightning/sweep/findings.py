@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from glm_lightning.stats import format_p
-from glm_lightning.sweep.analysis import Comparison, analyse
+from glm_lightning.stats import format_p, holm, tost_sign_flip
+from glm_lightning.sweep.analysis import Comparison, MetricAnalysis, analyse
 from glm_lightning.sweep.claims import Claim, Verdict, judge
 from glm_lightning.sweep.runner import RunResult, RunSpec, plan_runs, read_done
 from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError, load_study
@@ -164,6 +164,21 @@ def _expected(study: Study) -> str:
     return f"expected ≈{study.expected_minutes:g} min" if study.expected_minutes else "n/a"
 
 
+def equivalence_p(study: Study, analysis: MetricAnalysis, claim: Claim) -> tuple[float, float]:
+    """(raw, Holm-adjusted) p of the equivalence test (TOST at ±margin, `stats.tost_sign_flip`) of a null claim:
+    the study's null claims on this metric form one Holm family, as its comparisons do for the difference test
+    (every shipped study states one claim per comparison, so the two families have the same size)."""
+    scale = analysis.metric.scale
+    by_variant = {c.variant: c for c in analysis.comparisons}
+    family = [c for c in study.claims if c.is_null and (c.metric or study.primary.tag) == analysis.metric.tag
+              and by_variant[c.variant].n > 0]
+    raw = [tost_sign_flip([d * scale for d in by_variant[c.variant].diffs], float(c.margin)) for c in family]
+    if claim not in family:
+        return math.nan, math.nan
+    i = family.index(claim)
+    return raw[i], holm(raw)[i]
+
+
 def claim_row(claim: Claim, found: StudyResults) -> Row:
     """Our side of one claim: the paired comparison of the claim's variant with the control, judged."""
     study = found.study
@@ -185,8 +200,14 @@ def claim_row(claim: Claim, found: StudyResults) -> Row:
     diff, lo, hi, mde = comp.mean_diff * scale, comp.lo * scale, comp.hi * scale, comp.mde * scale
     ci = f"[{lo:+.1f}, {hi:+.1f}]" if math.isfinite(lo) and math.isfinite(hi) else "no CI (n ≤ 5: exact test only)"
     power = f"MDE ±{mde:.1f}" if math.isfinite(mde) else "no MDE (underpowered)" if math.isinf(mde) else "MDE n/a"
-    ours = f"{diff:+.1f} {ci}, p={format_p(p)}{' (Holm)' if several else ''}, n={comp.n} seeds, {power}"
-    verdict = judge(claim, diff, lo, hi, p, mde)
+    holm_note = " (Holm)" if several else ""
+    ours = f"{diff:+.1f} {ci}, p={format_p(p)}{holm_note}, n={comp.n} seeds, {power}"
+    p_equiv = None
+    if claim.is_null:
+        p_raw, p_adj = equivalence_p(study, analysis, claim)
+        p_equiv = p_adj if several else p_raw
+        ours += f"; TOST ±{claim.margin:g}: p={format_p(p_equiv)}{holm_note}"
+    verdict = judge(claim, diff, lo, hi, p, mde, p_equiv)
     word = verdict.word if not partial else f"{verdict.word} (so far)"
     return Row(claim, study, ours + partial, f"**{word}**: {verdict.why}", command, _wall(found), comp, verdict)
 
@@ -209,12 +230,27 @@ run `python -m glm_lightning demo --stages pretrain` once first.
 **Verdict rule.**
 - Claims of an effect (the tutorial's p < 0.05): **reproduced** when our difference has the tutorial's sign and
   p < 0.05; **refuted** when it has the opposite sign with p < 0.05, or when it is not significant and our 95% CI
-  excludes the tutorial's effect; otherwise **inconclusive**: "underpowered" when our MDE exceeds the tutorial's
-  effect (or no p < 0.05 is possible at our n), else "no effect larger than ±MDE detected".
-- Claims of no difference (the tutorial's p >= 0.05): **refuted** when our p < 0.05; **reproduced** when our
-  p >= 0.05 and our 95% CI lies inside ± the claim's margin (the smallest difference that would matter, stated per
-  row); otherwise **inconclusive** ("underpowered" when the MDE exceeds the margin).
+  excludes the tutorial's effect; otherwise **inconclusive** ("underpowered" when an effect of the tutorial's size
+  would be detected less than 80% of the time at our n, or no p < 0.05 is possible).
+- Claims of no difference (the tutorial's p >= 0.05), with the margin stated per row (the smallest difference that
+  would matter): equivalence is judged by two one-sided sign-flip tests at ± the margin (TOST), Holm-adjusted
+  across the study's comparisons exactly as the difference tests are. **reproduced** when equivalent (TOST
+  p < 0.05) and the difference is not significant; **equivalent (a small difference)** when equivalent and
+  significant: a real difference, inside the margin; **refuted** when significant and not shown equivalent;
+  otherwise **inconclusive** ("underpowered" when an effect of the margin's size would be detected less than 80% of
+  the time).
+- The MDE says only what power says: an effect of ±MDE would be detected 80% of the time. Which effects our data
+  exclude comes from the 95% CI, not from the MDE.
 - A study without finished runs of its shipped settings shows **not run**; a partly finished one says so.
+
+**Regimes.** Every RL row names the regime it was measured in. *Near-ceiling* (rows of rl_reward,
+rl_invalid_penalty, rl_temperature, rl_group_size): the 1.3M-parameter demo model from its pre-training checkpoint
+(pass@1 86-92% before RL), rollouts at T 0.7, lr 2e-4, last block + final norm + an untied head trained, 40 new
+tokens, 288 training completions per run (36 prompts x G 8), 3 rewarded families (absolute, double, list_sum). The
+tutorial's screen: the 25.7M model from an under-trained checkpoint (about 25% greedy dev pass), T 0.35, lr 5e-5,
+last block + tied head, 32 new tokens, 128 training completions per arm, 5 families (increment, double, square,
+even, reverse). A near-ceiling model compresses every effect, so these rows do not test the tutorial's regime; the
+re-run in the tutorial's regime is `configs/experiments/rl_screen_tutorial.yaml` (docs/results/rl_screen_tutorial.md).
 """
 
 
@@ -222,7 +258,8 @@ def render(rows: Sequence[Row], generated: str) -> str:
     lines = [HEADER, "| # | claim | tutorial (effect, p) | ours (effect, 95% CI, p, n) | verdict | command | wall time |",
              "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
-        cells = [str(i), r.claim.claim, _tutorial_cell(r.claim), r.ours, r.verdict, r.command, r.wall]
+        claim = r.claim.claim + (f" *(regime: {r.study.regime})*" if r.study.regime else "")
+        cells = [str(i), claim, _tutorial_cell(r.claim), r.ours, r.verdict, r.command, r.wall]
         lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
     notes = [(i, r) for i, r in enumerate(rows, 1) if r.claim.measure or r.claim.earlier or r.claim.margin]
     if notes:

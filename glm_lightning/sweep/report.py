@@ -307,7 +307,8 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
               "for normal differences with the observed SD: exact for 6 seeds (the test then rejects only when all "
               "differences share a sign), the paired-t power otherwise (the exact test's power is about 0.75-0.80 "
               "there at 7-16 seeds, so the MDE is slightly optimistic at 7-10 seeds). A null verdict reads "
-              "\"no effect larger than ±MDE\", or \"underpowered\" when n is too small for p < 0.05 to be possible. "
+              "\"an effect of ±MDE would be detected 80% of the time\" (which effects the data exclude comes from "
+              "the CI), or \"underpowered\" when n is too small for p < 0.05 to be possible. "
               "The SD is estimated from the same runs, so the MDE is itself approximate.",
               ""]
 

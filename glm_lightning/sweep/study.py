@@ -19,6 +19,7 @@ A study YAML (see `docs/sweeps.md`):
     tutorial: ...                                 # free markdown: the numbers to compare with
     expected_minutes: 28                          # optional: wall minutes of the whole study with --workers 2
     claims: [...]                                 # optional: the tutorial's claims it tests (`sweep.claims`)
+    regime: ...                                   # optional: the regime its rows were measured in (findings table)
 
 Validation happens at load time (`load_study`) for the file itself, and in `validate_config` by parsing the base
 config plus every variant's overrides with the project's LightningCLI parser and instantiating the model, data and
@@ -53,7 +54,7 @@ DEFAULT_SEED_KEYS = ("seed_everything", "data.init_args.seed")
 LOWER_IS_BETTER_SUFFIXES = ("loss", "bpb", "ppl", "perplexity")
 KNOWN_KEYS = {
     "name", "description", "base", "overrides", "variable", "values", "variants", "control", "seeds", "seed_keys",
-    "metrics", "higher_is_better", "budget", "tutorial", "claims", "expected_minutes",
+    "metrics", "higher_is_better", "budget", "tutorial", "claims", "expected_minutes", "regime",
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -102,6 +103,7 @@ class Study:
     raw: dict[str, Any] = field(default_factory=dict)
     claims: list[Claim] = field(default_factory=list)
     expected_minutes: float | None = None
+    regime: str = ""
 
     @property
     def primary(self) -> Metric:
@@ -345,6 +347,7 @@ def load_study(path: str | Path, seeds: int | None = None) -> Study:
         description=str(raw.get("description") or "").strip(), budget=str(raw.get("budget") or "").strip(),
         tutorial=str(raw.get("tutorial") or "").strip(), seeds_from_count=from_count, raw=raw, claims=claims,
         expected_minutes=None if expected is None else float(expected),
+        regime=str(raw.get("regime") or "").strip(),
     )
     if seeds is not None:
         study = study.with_seed_count(seeds)
