@@ -24,6 +24,14 @@ EFFECT = Claim("interleaved beats blocked", "interleaved", effect=9.7, p=0.002, 
 NULL = Claim("no difference", "interleaved", effect=-0.6, p=0.21, n="10", margin=2.0)
 
 
+def test_a_size_comparison_names_how_the_settings_differ():
+    from dataclasses import replace
+
+    assert "differ" not in judge(EFFECT, 16.8, 15.3, 18.2, 0.002, 1.9).why  # settings that match
+    why = judge(replace(EFFECT, differs="top-2 routing vs top-1"), 16.8, 15.3, 18.2, 0.002, 1.9).why
+    assert "larger than the tutorial's (our CI excludes +9.7), in settings that differ: top-2 routing vs top-1" in why
+
+
 @pytest.mark.parametrize("claim, ours, word, why", [
     (EFFECT, (9.0, 7.0, 11.0, 0.002, 2.0), "reproduced", "same direction"),
     (EFFECT, (4.5, 2.9, 6.1, 0.002, 2.0), "reproduced", "smaller than the tutorial's"),
@@ -220,3 +228,59 @@ def test_equivalence_is_holm_adjusted_like_the_difference_tests():
     assert equivalence_p(study, Analysis, two[0]) == pytest.approx((raw[0], holm(raw)[0]))
     assert equivalence_p(study, Analysis, two[1]) == pytest.approx((raw[1], holm(raw)[1]))
     assert holm(raw)[0] > raw[0]  # the adjustment is not a no-op here
+
+
+def test_every_report_names_a_commit_in_the_repository_or_says_it_is_not():
+    """Issue 31, part 4: a report's `code:` line names the commit its runs ran at; a commit that cannot be reached
+    must be said to be missing (or the study re-run). The saved results behind the findings table too."""
+    import re
+
+    from glm_lightning.sweep.report import commit_in_repository
+    from glm_lightning.sweep.study import REPO_ROOT
+
+    if commit_in_repository("HEAD") is None:
+        pytest.skip("not a git checkout: no commits to look up")
+    results = REPO_ROOT / "docs" / "results"
+    checked = 0
+    for report in sorted(results.glob("*.md")):
+        for line in report.read_text().splitlines():
+            if not line.startswith("- code:"):
+                continue
+            for rev in re.findall(r"\b(?:git|at) `?([0-9a-f]{7,40})\b", line):
+                checked += 1
+                assert commit_in_repository(rev) or "not in this repository" in line, f"{report.name}: {rev}"
+    assert checked >= 10
+    table = (results / "README.md").read_text()
+    for data in sorted((results / "data").glob("*.json")):
+        rev = json.loads(data.read_text()).get("git", "")
+        assert commit_in_repository(rev) or f"`{rev}` (**not in this repository**" in table, data.name
+    assert commit_in_repository("0000000") is False
+
+
+def test_level_intervals_stay_within_0_and_100():
+    """Issue 31, part 5: every shipped study's rate metric (shown as points) declares bounds, so its per-variant
+    intervals are clipped to [0, 100]; and no committed report prints a level interval outside that range."""
+    import re
+
+    from glm_lightning.sweep.study import REPO_ROOT
+
+    for path in sorted(EXPERIMENTS.glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text())
+        if not isinstance(raw, dict) or "metrics" not in raw:
+            continue
+        for metric in load_study(path).metrics:
+            if metric.unit == "points" and metric.scale == 100:
+                assert metric.bounds == (0.0, 1.0), f"{path.name}: {metric.tag} needs bounds: [0, 1]"
+    checked = 0
+    for report in sorted((REPO_ROOT / "docs" / "results").glob("*.md")):
+        in_points = False  # a metric section of a rate shown as points ("shown as points = value x 100")
+        for line in report.read_text().splitlines():
+            if line.startswith("#"):
+                in_points = "as points" in line
+                continue
+            cells = line.split(" | ")
+            if in_points and len(cells) > 4 and re.fullmatch(r"\[-?[0-9.]+, -?[0-9.]+\]", cells[3]):
+                lo, hi = (float(x) for x in cells[3][1:-1].split(", "))
+                assert 0.0 <= lo <= hi <= 100.0, f"{report.name}: {line[:60]}"
+                checked += 1
+    assert checked >= 20

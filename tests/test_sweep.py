@@ -88,11 +88,14 @@ def test_results_file_saves_every_finished_run(tiny_sweep):
     saved = json.loads((out / "sweep_tiny" / "results.json").read_text())
     assert saved["study"] == "sweep_tiny" and saved["workers"] == 2 and saved["ran_now"] == 4
     assert saved["elapsed_s"] > 0 and "sweep_tiny.yaml" in saved["command"]
+    sweep = json.loads((out / "sweep_tiny" / "SWEEP.json").read_text())  # what --report-only reads back
+    assert sweep["seeds"] == 2 and sweep["settings"] == [] and sweep["config"] == str(STUDY)
     by_key = {(r["variant"], r["seed"]): r for r in saved["runs"]}
     assert set(by_key) == set(RUNS)
     for variant, seed in RUNS:
         done = _done(out, variant, seed)
         assert by_key[variant, seed]["fingerprint"] == done["fingerprint"]
+        assert set(done["parts"]) == {"arguments", "configs", "checkpoints", "source"}
         assert by_key[variant, seed]["final"] == {t: done["final"][t] for t in ("val/completion_acc", "val/loss")}
 
 

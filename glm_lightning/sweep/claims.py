@@ -15,7 +15,8 @@ on the primary metric (or `metric:`), in the metric's display units (value x sca
 The verdict rule (`judge`), stated once so the findings table and its tests use the same words:
 
 - **Effect claims** (the tutorial's p < 0.05): *reproduced* when our difference has the tutorial's sign and our p
-  < 0.05 (noting when our 95% CI excludes the tutorial's size); *refuted* when it has the opposite sign with
+  < 0.05 (noting when our 95% CI excludes the tutorial's size, and how the settings differ where they do:
+  `differs:`); *refuted* when it has the opposite sign with
   p < 0.05, or when it is not significant and our CI excludes the tutorial's effect (an effect that large is ruled
   out); otherwise *inconclusive*: "underpowered" when an effect of the tutorial's size would be detected less than
   80% of the time at our n (MDE infinite or larger than the tutorial's effect), else the CI says which effects
@@ -44,7 +45,7 @@ from typing import Any
 from glm_lightning.stats import format_p
 
 ALPHA = 0.05
-CLAIM_KEYS = {"claim", "variant", "tutorial", "margin", "metric", "measure", "earlier"}
+CLAIM_KEYS = {"claim", "variant", "tutorial", "margin", "metric", "measure", "earlier", "differs"}
 TUTORIAL_KEYS = {"effect", "ci", "p", "n", "text"}
 
 
@@ -63,6 +64,8 @@ class Claim:
     metric: str | None = None
     measure: str = ""
     earlier: str = ""
+    differs: str = ""
+    """How our setting differs from the tutorial's (empty: they match); a size comparison names it."""
 
     @property
     def is_null(self) -> bool:
@@ -125,7 +128,7 @@ def parse_claims(path: Path, raw: Any, variants: list[str], control: str, tags: 
         out.append(Claim(str(entry["claim"]).strip(), variant, _number(f"{where}: tutorial.effect", tut["effect"]),
                          p, str(tut["n"]), ci, str(tut.get("text", "")).strip(),
                          None if margin is None else float(margin), metric, str(entry.get("measure", "")).strip(),
-                         str(entry.get("earlier", "")).strip()))
+                         str(entry.get("earlier", "")).strip(), str(entry.get("differs", "")).strip()))
     return out
 
 
@@ -189,6 +192,8 @@ def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float,
         if excludes:
             size = "; smaller than the tutorial's" if abs(diff) < abs(claim.effect) else "; larger than the tutorial's"
             size += f" (our CI excludes {_fmt(claim.effect)})"
+            if claim.differs:  # "larger/smaller than the tutorial's" is a like-for-like statement only
+                size += f", in settings that differ: {claim.differs}"
         return Verdict("reproduced", "same direction, p < 0.05" + size)
     if significant:
         return Verdict("refuted", f"the opposite direction ({_fmt(diff)}), p < 0.05")

@@ -10,6 +10,7 @@ Exit status: 0 when every run finished, 1 when some run failed (the report is st
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -19,7 +20,8 @@ from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glm_lightning.sweep.runner import LocalBackend, RayBackend, RunResult, execute, log_dir_args, plan_runs
+from glm_lightning.sweep.runner import (LocalBackend, RayBackend, RunResult, execute, log_dir_args, plan_runs,
+                                         stale_message, stale_runs)
 from glm_lightning.sweep.study import Study, StudyError, load_study, validate_config
 
 DEFAULT_OUT = "runs/sweeps"
@@ -59,7 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=None, help="use the first N seeds (extended if the study has fewer)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output root; the study goes to OUT/<study> ({DEFAULT_OUT})")
     p.add_argument("--dry-run", action="store_true", help="validate and print the run commands; run nothing")
-    p.add_argument("--report-only", action="store_true", help="aggregate finished runs only; launch nothing")
+    p.add_argument("--report-only", action="store_true",
+                   help="aggregate the finished runs of the sweep that wrote the output folder (its --seeds and --set "
+                        "are read from SWEEP.json there); launch nothing")
+    p.add_argument("--accept-old-runs", action="store_true",
+                   help="reuse finished runs of the same arguments made from other config texts, checkpoints or "
+                        "package source (by default the sweep refuses and names what changed)")
+    p.add_argument("--rerun-changed", action="store_true",
+                   help="run again the finished runs made from other inputs (the old ones are kept as .old-<n>)")
     p.add_argument("--backend", choices=("local", "ray"), default="local")
     p.add_argument("--ray-address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else local Ray)")
     p.add_argument("--threads-per-run", type=int, default=1, help="OMP_NUM_THREADS of every run (default 1)")
@@ -98,6 +107,46 @@ def reproduce_command(args: argparse.Namespace, study: Study, workers: int) -> s
     return " ".join(parts)
 
 
+SWEEP_FILE = "SWEEP.json"
+
+
+def record_arguments(out_dir: Path, args: argparse.Namespace, study: Study) -> None:
+    """Save the sweep's arguments in its output folder, so `--report-only` finds the runs this sweep wrote."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / SWEEP_FILE).write_text(json.dumps({
+        "config": str(args.config), "seeds": len(study.seeds), "settings": list(args.settings),
+        "threads_per_run": args.threads_per_run, "written": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1) + "\n")
+
+
+def recorded_arguments(out_dir: Path) -> dict[str, Any] | None:
+    """The arguments saved by the sweep that wrote `out_dir` (None when it saved none: a folder of an older sweep)."""
+    try:
+        data = json.loads((out_dir / SWEEP_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _with_recorded(args: argparse.Namespace, argv: list[str], out_dir: Path, log) -> str:  # noqa: ANN001
+    """For --report-only: take --seeds and --set from the folder's SWEEP.json where the command line gives none.
+    Returns a note for the refusal message."""
+    saved = recorded_arguments(out_dir)
+    if saved is None:
+        return (f"{out_dir} records no sweep arguments ({SWEEP_FILE}, written by sweeps since issue 35): give the "
+                f"original --seeds and --set")
+    given = {a.split("=", 1)[0] for a in argv}
+    if "--seeds" not in given and isinstance(saved.get("seeds"), int):
+        args.seeds = saved["seeds"]
+    if "--set" not in given and isinstance(saved.get("settings"), list):
+        args.settings = [str(x) for x in saved["settings"]]
+    if "--threads-per-run" not in given and isinstance(saved.get("threads_per_run"), int):
+        args.threads_per_run = saved["threads_per_run"]
+    sets = " ".join(f"--set {x}" for x in args.settings)
+    log(f"[sweep] --report-only: the runs of the sweep recorded in {out_dir / SWEEP_FILE}: --seeds {args.seeds}"
+        + (f" {sets}" if sets else ""))
+    return f"the sweep recorded in {out_dir / SWEEP_FILE} ran --seeds {saved.get('seeds')} {sets}".rstrip()
+
+
 def run_sweep(argv: list[str], log=print) -> SweepOutcome:  # noqa: ANN001
     """Everything `main` does, returning the outcome instead of exiting (raises StudyError on unusable input)."""
     args = build_parser().parse_args(argv)
@@ -106,6 +155,12 @@ def run_sweep(argv: list[str], log=print) -> SweepOutcome:  # noqa: ANN001
         raise StudyError(f"--workers must be >= 1, got {workers}")
     if args.n_boot is not None:
         log("[sweep] --n-boot is ignored and will be removed: intervals are test-inverted t intervals, no bootstrap")
+    if args.accept_old_runs and args.rerun_changed:
+        raise StudyError("--accept-old-runs and --rerun-changed exclude each other: keep the old runs or redo them")
+    note = ""
+    if args.report_only:
+        name = load_study(args.config).name
+        note = _with_recorded(args, argv, (Path(args.out) / name).resolve(), log)
     study = load_study(args.config, seeds=args.seeds)
     if args.settings:
         study = study.with_settings(parse_settings(args.settings))
@@ -113,36 +168,49 @@ def run_sweep(argv: list[str], log=print) -> SweepOutcome:  # noqa: ANN001
     specs = plan_runs(study, Path(args.out))
     validate_config(study, log_dir_args(specs[0].run_dir))
     outcome = SweepOutcome(study, out_dir)
+    stale = stale_runs(specs)
 
     if args.dry_run:
         from glm_lightning.sweep.runner import read_done
 
         log(f"[sweep] {study.name}: {len(specs)} runs ({len(study.variants)} variants x {len(study.seeds)} seeds), "
             f"config OK; output {out_dir}")
+        changed = {spec.key: what for spec, what in stale}
         for spec in specs:
-            state = "done" if read_done(spec) else "todo"
+            state = "done" if read_done(spec) else f"stale: {'; '.join(changed[spec.key])}" \
+                if spec.key in changed else "todo"
             log(f"[{state}] {spec.key}: OMP_NUM_THREADS={args.threads_per_run} "
                 + " ".join(shlex.quote(a) for a in spec.command()))
         return outcome
+    if stale and not (args.accept_old_runs or args.rerun_changed):
+        raise StudyError(stale_message(stale, out_dir))
+    if stale and args.accept_old_runs:
+        log(f"[sweep] --accept-old-runs: reusing {len(stale)} run(s) made from other inputs: "
+            + "; ".join(dict.fromkeys(c for _, what in stale for c in what)))
 
     t0 = time.perf_counter()
-    out_dir.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        from glm_lightning.sweep.runner import read_done
+        from glm_lightning.sweep.runner import finished_result, read_done
 
         results = []
         for spec in specs:
-            done = read_done(spec)
-            results.append(RunResult(spec, "skipped", done["final"], done.get("steps", {}),
-                                     float(done.get("wall_s", 0))) if done else RunResult(spec, "cancelled"))
+            done = read_done(spec, args.accept_old_runs)
+            results.append(finished_result(spec, done) if done else RunResult(spec, "cancelled"))
+        if not any(r.ok for r in results):
+            raise StudyError(f"--report-only: no finished run of this sweep in {out_dir} ({note}); "
+                             f"nothing written, REPORT.md left as it was")
     else:
+        record_arguments(out_dir, args, study)
         if args.backend == "ray":
             backend = RayBackend(workers, args.threads_per_run, args.run_timeout, args.ray_address)
         else:
             backend = LocalBackend(workers, args.threads_per_run, args.run_timeout)
-        results = execute(study, specs, backend, log=log)
+        results = execute(study, specs, backend, log=log, accept_old=args.accept_old_runs)
     outcome.results = results
     elapsed = time.perf_counter() - t0
+    if not any(r.ok for r in results) and (out_dir / "REPORT.md").is_file():
+        log(f"[sweep] no run finished: {out_dir / 'REPORT.md'} and {out_dir / 'results.json'} left as they were")
+        return outcome
     write_outputs(outcome, reproduce_command(args, study, workers),
                   elapsed_s=None if args.report_only else elapsed, workers=workers)
     log(f"[sweep] report: {outcome.report}")
@@ -205,5 +273,5 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, old)
     if outcome.failed:
         print(f"sweep: {len(outcome.failed)} of {len(outcome.results)} runs failed or did not run: "
-              + ", ".join(r.spec.key for r in outcome.failed) + f" (details in {outcome.report})", file=sys.stderr)
+              + ", ".join(r.spec.key for r in outcome.failed) + f" (details in {outcome.report or outcome.out_dir})", file=sys.stderr)
         raise SystemExit(1)

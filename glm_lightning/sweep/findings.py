@@ -2,8 +2,10 @@
 of the tutorial (`claims:` in the study files), from the studies' saved results; a claim whose study has no run of
 the shipped settings reads "not run".
 
-Where the results come from, per study (only runs whose fingerprint matches the study as shipped count, so a quick
-`--set` run or a run of an older config never enters the table):
+Where the results come from, per study (only runs of the study as shipped count: its arguments and base config
+text, the run's `identity`, so a quick `--set` run or a run of an older config never enters the table; which code
+and checkpoints a run was made from is recorded with it, in its fingerprint's parts, and the sweep that wrote a
+folder never mixes runs of different inputs unless told to, see `runner.stale_runs`):
 1. the sweep's output `<runs>/<study>/<variant>/seed<k>/DONE.json` (`--runs`, default runs/sweeps), with the
    invocation's wall time from `<runs>/<study>/results.json`;
 2. else the committed copy `docs/results/data/<study>.json`, which this command refreshes from 1 whenever 1 has
@@ -18,14 +20,15 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from glm_lightning.stats import format_p, holm, tost_sign_flip
 from glm_lightning.sweep.analysis import Comparison, MetricAnalysis, analyse
 from glm_lightning.sweep.claims import Claim, Verdict, judge
-from glm_lightning.sweep.runner import RunResult, RunSpec, plan_runs, read_done
+from glm_lightning.sweep.report import commit_in_repository
+from glm_lightning.sweep.runner import RunResult, RunSpec, finished_result, plan_runs, read_done
 from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError, load_study
 
 RESULTS_FILE = "results.json"
@@ -43,7 +46,7 @@ def results_payload(study: Study, results: Sequence[RunResult], command: str, el
     metric and its wall time, plus how the invocation ran. Small enough to commit."""
     tags = [m.tag for m in study.metrics]
     runs = [{"variant": r.spec.variant, "seed": r.spec.seed, "fingerprint": r.spec.fingerprint,
-             "final": {t: r.final[t] for t in tags if t in r.final}, "wall_s": round(r.wall_s, 2)}
+             "identity": r.spec.identity, "parts": r.spec.parts, "final": {t: r.final[t] for t in tags if t in r.final}, "wall_s": round(r.wall_s, 2)}
             for r in results if r.ok]
     return {"study": study.name, "written": time.strftime("%Y-%m-%d %H:%M"), "git": git, "command": command,
             "elapsed_s": None if elapsed_s is None else round(elapsed_s, 1), "workers": workers,
@@ -87,10 +90,9 @@ def from_runs(study: Study, runs_root: Path) -> StudyResults:
     """Finished runs in the sweep's output directory whose settings are the shipped study's."""
     out = StudyResults(study, source=str(runs_root / study.name))
     for spec in plan_runs(study, runs_root):
-        done = read_done(spec)
+        done = read_done(spec, accept_old=True)  # the study's runs, whatever code they ran at (recorded with them)
         if done is not None:
-            out.results.append(RunResult(spec, "skipped", done.get("final", {}), done.get("steps", {}),
-                                         float(done.get("wall_s", 0.0))))
+            out.results.append(finished_result(spec, done))
     meta = _read_json(runs_root / study.name / RESULTS_FILE)
     if meta is not None:
         out.meta = {k: v for k, v in meta.items() if k != "runs"}
@@ -103,13 +105,15 @@ def from_saved(study: Study, path: Path, runs_root: Path) -> StudyResults:
     data = _read_json(path)
     if data is None:
         return out
-    specs: dict[tuple[str, int, str], RunSpec] = {(s.variant, s.seed, s.fingerprint): s
+    specs: dict[tuple[str, int, str], RunSpec] = {(s.variant, s.seed, s.identity): s
                                                   for s in plan_runs(study, runs_root)}
     for run in data.get("runs", []):
-        spec = specs.get((run.get("variant"), run.get("seed"), run.get("fingerprint")))
+        # runs saved before fingerprints had parts carry their identity as their fingerprint
+        spec = specs.get((run.get("variant"), run.get("seed"), run.get("identity") or run.get("fingerprint")))
         if spec is None:
             out.stale += 1
             continue
+        spec = replace(spec, fingerprint=str(run.get("fingerprint")), parts=dict(run.get("parts") or {}))
         out.results.append(RunResult(spec, "skipped", dict(run.get("final", {})), {}, float(run.get("wall_s", 0))))
     out.meta = {k: v for k, v in data.items() if k != "runs"}
     return out
@@ -254,7 +258,8 @@ re-run in the tutorial's regime is `configs/experiments/rl_screen_tutorial.yaml`
 """
 
 
-def render(rows: Sequence[Row], generated: str) -> str:
+def render(rows: Sequence[Row], generated: str, found_meta: dict[str, dict[str, Any]] | None = None) -> str:
+    found_meta = found_meta or {}
     lines = [HEADER, "| # | claim | tutorial (effect, p) | ours (effect, 95% CI, p, n) | verdict | command | wall time |",
              "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
@@ -273,6 +278,14 @@ def render(rows: Sequence[Row], generated: str) -> str:
             if r.claim.earlier:
                 parts.append(f"earlier, smaller run: {r.claim.earlier}")
             lines.append(f"{i}. {'; '.join(parts)}.")
+    code = []
+    for name in dict.fromkeys(r.study.name for r in rows if r.comparison is not None):
+        rev = str(found_meta.get(name, {}).get("git") or "unknown")
+        known = commit_in_repository(rev)
+        code.append(f"{name} `{rev}`" + ("" if known or known is None else
+                                         f" (**not in this repository**: see [{name}]({name}.md))"))
+    if code:
+        lines += ["", "Code each study's runs ran at (the commit its sweep recorded): " + ", ".join(code) + "."]
     lines += ["", "Per-study reports (the latest committed run of each study, whatever its size: see its Setup section; "
               "per-seed values, secondary metrics, charts): "
               + ", ".join(f"[{s}]({s}.md)" for s in dict.fromkeys(r.study.name for r in rows)) + ".",
@@ -321,7 +334,7 @@ def main(argv: Sequence[str] | None = None, log=print) -> Path:  # noqa: ANN001
     rows, found = build_rows(studies, Path(args.runs).resolve(), Path(args.data))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(rows, time.strftime("%Y-%m-%d %H:%M")))
+    out.write_text(render(rows, time.strftime("%Y-%m-%d %H:%M"), {f.study.name: f.meta for f in found}))
     for f in found:
         log(f"[findings] {f.study.name}: {f.finished}/{f.total} runs of the shipped settings"
             + (f" from {_rel(Path(f.source))}" if f.results else "") + (f", {f.stale} stale" if f.stale else ""))

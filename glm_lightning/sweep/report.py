@@ -65,6 +65,24 @@ def git_revision() -> str:
     return (rev or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
+def commit_in_repository(rev: str) -> bool | None:
+    """Whether `rev` (a hash as reports record it) names a commit of this repository; None when no git repository
+    can be asked (an unpacked copy). A report whose commit is not there must say so (or be re-run)."""
+    rev = rev.split()[0] if rev.split() else ""
+    if not rev or rev == "unknown":
+        return False
+    try:
+        proc = subprocess.run(["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=REPO_ROOT, capture_output=True,
+                              timeout=10)
+        inside = subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if inside.returncode != 0:
+        return None
+    return proc.returncode == 0
+
+
 # --- charts ----------------------------------------------------------------------------------------------------------
 def _figure(n_panels: int, width: float = 5.0, height: float = 3.6) -> Any:
     from matplotlib.figure import Figure

@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +28,11 @@ from callbacks.regression import Measurement, compare_families, summary_counts
 from glm_lightning.power import POWER, mcnemar_mde
 from glm_lightning.stats import format_p
 from glm_lightning.sweep.analysis import analyse
-from glm_lightning.sweep.cli import DEFAULT_OUT, parse_settings
+from glm_lightning.sweep.cli import DEFAULT_OUT, parse_settings, recorded_arguments
 from glm_lightning.sweep.events import read_scalars
 from glm_lightning.sweep.report import metric_section, power_lines, git_revision
 from glm_lightning.sweep.runner import RunResult, plan_runs, read_done
-from glm_lightning.sweep.study import REPO_ROOT, Study, load_study
+from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError, load_study
 
 DEFAULT_STUDY = "configs/experiments/rl_tutorial_size.yaml"
 DEFAULT_REPORT = "docs/results/rl_tutorial_size.md"
@@ -288,6 +289,9 @@ def mde_lines(reports: Sequence[dict[str, Any]], families: Sequence[str], alpha:
 def write_table_report(study: Study, out: Path, report_path: Path, reproduce: str) -> Path:
     """Write the Markdown report; returns its path."""
     runs, results, missing = load_runs(study, out)
+    if not runs:
+        raise StudyError(f"no finished run of {study.name} in {Path(out).resolve() / study.name} for these settings "
+                         f"({len(missing)} missing or unreadable); {report_path} left as it was")
     lines = ["# RL at the tutorial's size: RLOO vs GRPO", "",
              "Issue 18, part 2: our runs next to the tutorial's final RL run (`tutorial-baseline.md` §6.2-6.3).", "",
              study.description or "", "",
@@ -340,14 +344,23 @@ def main(argv: Sequence[str] | None = None) -> Path:
     p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE",
                    help="the same --set settings the sweep ran with (they are part of each run's fingerprint)")
     args = p.parse_args(argv)
-    study = load_study(args.config)
-    if args.settings:
-        study = study.with_settings(parse_settings(args.settings))
-    sets = " ".join(f"--set {s}" for s in args.settings)
-    reproduce = (f"python -m glm_lightning sweep --config {args.config} --workers 1 --out {args.out} {sets}\n"
-                 f"python -m glm_lightning.sweep.rl_table --config {args.config} --out {args.out} "
-                 f"--report {args.report} {sets}").replace("  ", " ")
-    path = write_table_report(study, Path(args.out), Path(args.report), reproduce)
+    try:
+        study = load_study(args.config)
+        saved = recorded_arguments((Path(args.out) / study.name).resolve())
+        if not args.settings and saved and isinstance(saved.get("settings"), list):
+            args.settings = [str(x) for x in saved["settings"]]  # the settings of the sweep that wrote the folder
+        if saved and isinstance(saved.get("seeds"), int):
+            study = study.with_seed_count(saved["seeds"])
+        if args.settings:
+            study = study.with_settings(parse_settings(args.settings))
+        sets = " ".join(f"--set {s}" for s in args.settings)
+        reproduce = (f"python -m glm_lightning sweep --config {args.config} --workers 1 --out {args.out} {sets}\n"
+                     f"python -m glm_lightning.sweep.rl_table --config {args.config} --out {args.out} "
+                     f"--report {args.report} {sets}").replace("  ", " ")
+        path = write_table_report(study, Path(args.out), Path(args.report), reproduce)
+    except StudyError as err:
+        print(f"rl_table: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"[rl_table] wrote {path}")
     return path
 

@@ -1,11 +1,13 @@
 """Running every (variant, seed) of a study as an isolated `python -m glm_lightning fit ...` subprocess.
 
 - Each run has its own directory `<out>/<study>/<variant>/seed<k>/` holding its TensorBoard events, `config.yaml`,
-  `stdout.log` / `stderr.log`, `RUN.json` (the fingerprint of the run's arguments and base config), and on success
-  `DONE.json` (final value of every scalar tag, wall time, the exact command and that fingerprint).
+  `stdout.log` / `stderr.log`, `RUN.json` (the run's fingerprint: `sweep.fingerprint`), and on success `DONE.json`
+  (final value of every scalar tag, wall time, the exact command, the fingerprint and its parts).
 - Rerunning a sweep skips runs with a matching `DONE.json`, resumes an unfinished run of the same fingerprint from
-  its `checkpoints/last.ckpt`, and starts the others over. A finished run of other settings is never deleted: its
-  directory is renamed `seed<k>.old-<n>`.
+  its `checkpoints/last.ckpt`, and starts the others over. A finished run of other arguments is never deleted: its
+  directory is renamed `seed<k>.old-<n>`. A finished run of the same arguments made from other inputs (a config
+  text, a checkpoint or the package source changed: `stale_runs`) makes the sweep refuse, naming what changed,
+  unless it is told to accept the old runs or to run them again.
 - Stopping the driver (Ctrl-C, SIGTERM) sends SIGTERM to the running runs, which save `last.ckpt` at the end of their
   current step and exit (SIGKILL after a grace period); the runs share the driver's process group, so killing that
   group stops them too.
@@ -25,11 +27,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from glm_lightning.sweep.events import final_values, read_scalars
+from glm_lightning.sweep.fingerprint import combine, describe_changes
 from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError
 
 DONE_FILE = "DONE.json"
@@ -49,6 +52,8 @@ class RunSpec:
     fingerprint: str
     base: str = ""
     base_text: str = ""
+    parts: dict[str, Any] = field(default_factory=dict)
+    identity: str = ""
 
     @property
     def key(self) -> str:
@@ -87,23 +92,66 @@ def plan_runs(study: Study, out: Path) -> list[RunSpec]:
     for seed in study.seeds:
         for variant in study.variants:
             run_dir = (out / study.name / variant.name / f"seed{seed}").resolve()
+            parts = study.fingerprint_parts(variant, seed)
             specs.append(RunSpec(variant.name, seed, run_dir, study.run_args(variant, seed) + log_dir_args(run_dir),
-                                 study.fingerprint(variant, seed), str(study.base), base_text))
+                                 combine(parts), str(study.base), base_text, parts, study.identity(variant, seed)))
     return specs
 
 
-def read_done(spec: RunSpec) -> dict[str, Any] | None:
-    """The run's DONE.json if it exists and was written for the same arguments and base config."""
-    path = spec.run_dir / DONE_FILE
-    if not path.is_file():
-        return None
+def _done_file(spec: RunSpec) -> dict[str, Any] | None:
     try:
-        done = json.loads(path.read_text())
+        done = json.loads((spec.run_dir / DONE_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if done.get("fingerprint") != spec.fingerprint:
+    return done if isinstance(done, dict) else None
+
+
+def changes_since(spec: RunSpec, done: dict[str, Any]) -> list[str] | None:
+    """How the finished run `done` differs from the planned `spec`: [] when it is the same run from the same
+    inputs; what changed (config texts, checkpoints, source) when it is the same run (same arguments) made from
+    other inputs; None when it is another run (other arguments, or, for a run recorded before fingerprints had
+    parts, another base config)."""
+    if done.get("fingerprint") == spec.fingerprint:
+        return []
+    parts = done.get("parts")
+    if isinstance(parts, dict):
+        if parts.get("arguments") != spec.parts.get("arguments"):
+            return None
+        return describe_changes(parts, spec.parts) or ["the fingerprint"]
+    if spec.identity and done.get("fingerprint") == spec.identity:
+        return ["checkpoints and package source unknown (the run predates fingerprints that cover them)"]
+    return None
+
+
+def read_done(spec: RunSpec, accept_old: bool = False) -> dict[str, Any] | None:
+    """The run's DONE.json if it exists and was written for the same run from the same inputs; with `accept_old`
+    also one of the same arguments made from other inputs (config texts, checkpoints, source)."""
+    done = _done_file(spec)
+    if done is None:
         return None
-    return done
+    changed = changes_since(spec, done)
+    if changed == [] or (accept_old and changed is not None):
+        return done
+    return None
+
+
+def stale_runs(specs: Sequence[RunSpec]) -> list[tuple[RunSpec, list[str]]]:
+    """Finished runs of the same arguments made from other inputs, with what changed."""
+    out = []
+    for spec in specs:
+        done = _done_file(spec)
+        changed = changes_since(spec, done) if done is not None else None
+        if changed:
+            out.append((spec, changed))
+    return out
+
+
+def stale_message(stale: Sequence[tuple[RunSpec, list[str]]], out_dir: Path) -> str:
+    """One line: how many finished runs are stale, what changed, and the two ways on."""
+    what = list(dict.fromkeys(c for _, changed in stale for c in changed))
+    return (f"{len(stale)} finished run(s) in {out_dir} were made from other inputs than this sweep's "
+            f"(changed: {'; '.join(what)}); pass --accept-old-runs to use them as they are, or --rerun-changed to "
+            f"run them again (the old runs are kept as seed<k>.old-<n>)")
 
 
 def run_env(threads: int) -> dict[str, str]:
@@ -149,7 +197,7 @@ def prepare_run_dir(spec: RunSpec, log: Callable[[str], None] = print) -> list[s
         else:
             shutil.rmtree(run_dir)  # unfinished and not resumable: nothing of value
     run_dir.mkdir(parents=True)
-    (run_dir / RUN_FILE).write_text(json.dumps({"fingerprint": spec.fingerprint}) + "\n")
+    (run_dir / RUN_FILE).write_text(json.dumps({"fingerprint": spec.fingerprint, "parts": spec.parts}) + "\n")
     return []
 
 
@@ -204,7 +252,7 @@ def finalize(spec: RunSpec, rc: int, wall_s: float) -> RunResult:
             error = "" if final else "the run finished but wrote no TensorBoard scalars (is trainer.logger set?)"
         if not error:
             done = {"variant": spec.variant, "seed": spec.seed, "fingerprint": spec.fingerprint,
-                    "final": final, "steps": steps, "wall_s": round(wall_s, 2),
+                    "parts": spec.parts, "identity": spec.identity, "final": final, "steps": steps, "wall_s": round(wall_s, 2),
                     "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "command": " ".join(spec.command())}
             (spec.run_dir / DONE_FILE).write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
@@ -357,17 +405,24 @@ def check_metrics(study: Study, result: RunResult) -> None:
                          f"Fix `metrics` in the study file.")
 
 
+def finished_result(spec: RunSpec, done: dict[str, Any]) -> RunResult:
+    """A RunResult of a run finished earlier; an accepted old run keeps the fingerprint it was made with."""
+    if done.get("fingerprint") != spec.fingerprint:
+        spec = replace(spec, fingerprint=str(done.get("fingerprint")), parts=dict(done.get("parts") or {}))
+    return RunResult(spec, "skipped", done.get("final", {}), done.get("steps", {}), float(done.get("wall_s", 0.0)))
+
+
 def execute(study: Study, specs: Iterable[RunSpec], backend: LocalBackend | RayBackend,
-            log: Callable[[str], None] = print) -> list[RunResult]:
-    """Skip finished runs, launch the rest on `backend`, check the metric tags after the first finished run."""
+            log: Callable[[str], None] = print, accept_old: bool = False) -> list[RunResult]:
+    """Skip finished runs (with `accept_old` also those of the same arguments made from other inputs), launch the
+    rest on `backend`, check the metric tags after the first finished run."""
     specs = list(specs)
     results: dict[str, RunResult] = {}
     todo = []
     for spec in specs:
-        done = read_done(spec)
+        done = read_done(spec, accept_old)
         if done is not None:
-            results[spec.key] = RunResult(spec, "skipped", done.get("final", {}), done.get("steps", {}),
-                                          float(done.get("wall_s", 0.0)))
+            results[spec.key] = finished_result(spec, done)
         else:
             todo.append(spec)
     checked = False

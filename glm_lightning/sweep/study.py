@@ -40,16 +40,8 @@ from typing import Any
 import yaml
 
 from glm_lightning.sweep.claims import Claim, parse_claims
+from glm_lightning.sweep.fingerprint import REPO_ROOT, combine, fingerprint_parts, portable_path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def portable_path(path: Path) -> str:
-    """`path` relative to the repository root when it lies inside it, else its file name."""
-    try:
-        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
-    except ValueError:
-        return Path(path).name
 DEFAULT_SEED_KEYS = ("seed_everything", "data.init_args.seed")
 LOWER_IS_BETTER_SUFFIXES = ("loss", "bpb", "ppl", "perplexity")
 KNOWN_KEYS = {
@@ -119,15 +111,24 @@ class Study:
         args += overrides_to_args({key: seed for key in self.seed_keys})
         return args
 
-    def fingerprint(self, variant: Variant, seed: int) -> str:
-        """Changes when anything that defines the run changes (its arguments or the base config's text), and only
-        then: the base config is named by its path inside the repository (or its file name outside it), not by the
-        absolute path, so a moved or second checkout recognises the same finished runs."""
+    def identity(self, variant: Variant, seed: int) -> str:
+        """Which run this is: its arguments and the base config's text (the fingerprint of runs recorded before
+        fingerprints covered checkpoints and source, and the key of the committed results). The base config is
+        named by its path inside the repository (or its file name outside it), so a moved or second checkout
+        recognises the same runs."""
         args = self.run_args(variant, seed)
         args[1] = portable_path(self.base)
         h = hashlib.sha256(json.dumps(args).encode())
         h.update(self.base.read_bytes())
         return h.hexdigest()[:16]
+
+    def fingerprint_parts(self, variant: Variant, seed: int) -> dict[str, Any]:
+        """What the run depends on (`sweep.fingerprint`): arguments, config texts, checkpoint digests, source."""
+        return fingerprint_parts(self.run_args(variant, seed))
+
+    def fingerprint(self, variant: Variant, seed: int) -> str:
+        """Changes when anything the run depends on changes (`fingerprint_parts`), and only then."""
+        return combine(self.fingerprint_parts(variant, seed))
 
     def with_settings(self, settings: dict[str, Any]) -> Study:
         """The study with config `settings` (dotted key -> value) applied to every run, e.g. from `--set`."""
