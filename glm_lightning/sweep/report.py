@@ -15,6 +15,7 @@ from typing import Any
 from glm_lightning.power import POWER
 from glm_lightning.stats import EXACT_SIGN_FLIP_MAX_N, format_p, min_attainable_p, underpowered_text
 from glm_lightning.sweep.analysis import Comparison, Curves, MetricAnalysis, curve_band, metric_bounds
+from glm_lightning.sweep.fingerprint import file_digest, referenced_files, source_digest
 from glm_lightning.sweep.runner import RunResult
 from glm_lightning.sweep.study import REPO_ROOT, Metric, Study, overrides_to_args
 
@@ -251,6 +252,46 @@ def _per_seed_table(study: Study, a: MetricAnalysis) -> list[str]:
     return lines + [""]
 
 
+START_TAG_PREFIX = "start/"
+"""Scalars logged before the first training step (PassAtKCallback(evaluate_at_start=True)): a run's start level."""
+
+
+def block_section(study: Study, a: MetricAnalysis, results: Sequence[RunResult]) -> list[str]:
+    """Blocks (e.g. one start checkpoint each): what each block's overrides load (path and sha256 of every
+    checkpoint), its level before training (the runs' `start/...` scalars), and the paired difference of every arm
+    within the block. Pairs never cross blocks (each seed belongs to one), so the pooled test above compares arms
+    within blocks; the per-block means show whether the blocks agree."""
+    m = a.metric
+    lines = ["## Blocks", "",
+             "Every seed belongs to one block; the arms of a seed are paired, so every paired difference lies within "
+             "a block and the pooled sign-flip test treats the blocks as fixed (block effects cancel in the "
+             "differences). Below: each block's start, its level before training (mean over its runs of the "
+             f"`{START_TAG_PREFIX}...` scalars) and the mean paired difference of each arm within it.", ""]
+    others = [v.name for v in study.variants if v.name != study.control]
+    head = ["block", "seeds", "loads (sha256, first 16 hex)", "before training"] + [f"{n} - {study.control}"
+                                                                                   for n in others]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ctrl = a.summaries[study.control].values
+    for block in study.blocks.values():
+        _, ckpts = referenced_files(overrides_to_args(block.overrides))
+        loads = "; ".join(f"`{name}` {file_digest(path)[:16] if path else 'missing'}" for name, path in ckpts.items())
+        starts: dict[str, list[float]] = {}
+        for r in results:
+            if r.ok and r.spec.seed in block.seeds:
+                for tag, value in r.final.items():
+                    if tag.startswith(START_TAG_PREFIX):
+                        starts.setdefault(tag, []).append(value)
+        before = "; ".join(f"{tag.removeprefix(START_TAG_PREFIX)} {statistics.mean(v) * m.scale:.1f}"
+                           for tag, v in sorted(starts.items()) if "greedy_pass" in tag and tag.count("/") <= 2)
+        row = [block.name, ", ".join(map(str, block.seeds)), loads or "-", before or "n/a"]
+        for name in others:
+            vals = a.summaries[name].values
+            diffs = [vals[s] - ctrl[s] for s in block.seeds if s in vals and s in ctrl]
+            row.append(f"{_fmt(statistics.mean(diffs), m, sign=True)} (n={len(diffs)})" if diffs else "n/a")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + [""]
+
+
 def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequence[RunResult],
                  charts: Sequence[Path], out_dir: Path, reproduce: str, n_boot: int, elapsed_s: float | None = None,
                  workers: int | None = None) -> Path:
@@ -288,7 +329,10 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
                      + (f" with {workers} workers" if workers else ""))
     if study.budget:
         lines.append(f"- budget: {study.budget}")
-    lines += [f"- code: git {git_revision()}; report written {time.strftime('%Y-%m-%d %H:%M')}", ""]
+    lines += [f"- code: git {git_revision()}, package source digest `{source_digest()}`; report written "
+              f"{time.strftime('%Y-%m-%d %H:%M')}", ""]
+    if study.blocks:
+        lines += block_section(study, primary, results)
 
     for i, a in enumerate(analyses):
         lines += metric_section(study, a, primary=i == 0)

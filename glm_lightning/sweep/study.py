@@ -20,6 +20,12 @@ A study YAML (see `docs/sweeps.md`):
     expected_minutes: 28                          # optional: wall minutes of the whole study with --workers 2
     claims: [...]                                 # optional: the tutorial's claims it tests (`sweep.claims`)
     regime: ...                                   # optional: the regime its rows were measured in (findings table)
+    blocks:                                       # optional, instead of `seeds`: groups of seeds sharing overrides,
+      pt0: {seeds: [0, 1, 2], overrides: {model.init_args.init_weights: runs/starts/pt0.ckpt}}   # e.g. a start
+      pt1: {seeds: [10, 11, 12], overrides: {model.init_args.init_weights: runs/starts/pt1.ckpt}} # checkpoint each
+
+With `blocks`, every seed belongs to one block and its runs get the block's overrides; arms are paired within a seed,
+so within a block (the comparison's pairs never cross blocks), and the report adds a per-block section.
 
 Validation happens at load time (`load_study`) for the file itself, and in `validate_config` by parsing the base
 config plus every variant's overrides with the project's LightningCLI parser and instantiating the model, data and
@@ -46,7 +52,7 @@ DEFAULT_SEED_KEYS = ("seed_everything", "data.init_args.seed")
 LOWER_IS_BETTER_SUFFIXES = ("loss", "bpb", "ppl", "perplexity")
 KNOWN_KEYS = {
     "name", "description", "base", "overrides", "variable", "values", "variants", "control", "seeds", "seed_keys",
-    "metrics", "higher_is_better", "budget", "tutorial", "claims", "expected_minutes", "regime",
+    "metrics", "higher_is_better", "budget", "tutorial", "claims", "expected_minutes", "regime", "blocks",
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -76,6 +82,15 @@ class Variant:
     overrides: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Block:
+    """Seeds that share overrides (e.g. one start checkpoint): the unit arms are paired within."""
+
+    name: str
+    seeds: tuple[int, ...]
+    overrides: dict[str, Any]
+
+
 @dataclass
 class Study:
     name: str
@@ -96,6 +111,7 @@ class Study:
     claims: list[Claim] = field(default_factory=list)
     expected_minutes: float | None = None
     regime: str = ""
+    blocks: dict[str, Block] = field(default_factory=dict)
 
     @property
     def primary(self) -> Metric:
@@ -104,10 +120,15 @@ class Study:
     def variant(self, name: str) -> Variant:
         return next(v for v in self.variants if v.name == name)
 
+    def block_of(self, seed: int) -> Block | None:
+        """The block `seed` belongs to (None for a study without blocks)."""
+        return next((b for b in self.blocks.values() if seed in b.seeds), None)
+
     def run_args(self, variant: Variant, seed: int) -> list[str]:
         """CLI arguments (after `fit`) that define one run, without the log-directory arguments."""
         args = ["--config", str(self.base)]
-        args += overrides_to_args({**self.overrides, **variant.overrides})
+        block = self.block_of(seed)
+        args += overrides_to_args({**self.overrides, **(block.overrides if block else {}), **variant.overrides})
         args += overrides_to_args({key: seed for key in self.seed_keys})
         return args
 
@@ -133,15 +154,25 @@ class Study:
     def with_settings(self, settings: dict[str, Any]) -> Study:
         """The study with config `settings` (dotted key -> value) applied to every run, e.g. from `--set`."""
         varied = {key for v in self.variants for key in v.overrides} | set(self.seed_keys)
+        varied |= {key for b in self.blocks.values() for key in b.overrides}
         clash = sorted(set(settings) & varied)
         if clash:
-            raise StudyError(f"{self.path}: --set cannot change {clash}: the study varies them (variants or seeds)")
+            raise StudyError(f"{self.path}: --set cannot change {clash}: the study varies them (variants, seeds or "
+                             f"blocks)")
         return Study(**{**self.__dict__, "overrides": {**self.overrides, **settings}})
 
     def with_seed_count(self, n: int) -> Study:
         """The study with `n` seeds: the first n of its seeds, extended by consecutive integers if needed."""
         if n < 1:
             raise StudyError(f"{self.path}: --seeds must be >= 1, got {n}")
+        if self.blocks:  # n seeds per block, so that every block keeps its share
+            short = [b.name for b in self.blocks.values() if len(b.seeds) < n]
+            if short:
+                raise StudyError(f"{self.path}: --seeds {n} is more than the seeds of block(s) {short}: with blocks, "
+                                 f"--seeds counts seeds per block; add seeds to the study file")
+            blocks = {name: Block(name, b.seeds[:n], b.overrides) for name, b in self.blocks.items()}
+            return Study(**{**self.__dict__, "blocks": blocks,
+                            "seeds": [s for b in blocks.values() for s in b.seeds]})
         seeds = list(self.seeds[:n])
         nxt = max(self.seeds) + 1
         while len(seeds) < n:
@@ -268,6 +299,27 @@ def _parse_seeds(path: Path, raw: Any) -> tuple[list[int], bool]:
     raise StudyError(f"{path}: `seeds` must be a count or a list of integers, got {raw!r}")
 
 
+def _parse_blocks(path: Path, raw: Any) -> dict[str, Block]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not raw:
+        raise StudyError(f"{path}: `blocks` must map block names to {{seeds: [...], overrides: {{...}}}}")
+    out: dict[str, Block] = {}
+    seen: set[int] = set()
+    for name, spec in raw.items():
+        name = str(name)
+        if not isinstance(spec, dict) or set(spec) - {"seeds", "overrides"} or "seeds" not in spec:
+            raise StudyError(f"{path}: blocks.{name} must be {{seeds: [...], overrides: {{...}}}}, got {spec!r}")
+        seeds, _ = _parse_seeds(path, spec["seeds"] if isinstance(spec["seeds"], list) else None)
+        clash = seen & set(seeds)
+        if clash:
+            raise StudyError(f"{path}: blocks.{name}: seeds {sorted(clash)} belong to another block too")
+        seen |= set(seeds)
+        out[name] = Block(name, tuple(seeds), _check_overrides(f"{path}: blocks.{name}.overrides",
+                                                               spec.get("overrides")))
+    return out
+
+
 def load_study(path: str | Path, seeds: int | None = None) -> Study:
     """Read and check a study file (not yet the base config: see `validate_config`). `seeds` overrides the count."""
     path = Path(path)
@@ -283,9 +335,11 @@ def load_study(path: str | Path, seeds: int | None = None) -> Study:
     unknown = set(raw) - KNOWN_KEYS
     if unknown:
         raise StudyError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: {sorted(KNOWN_KEYS)}")
-    for key in ("base", "seeds", "metrics"):
+    for key in ("base", "metrics"):
         if key not in raw:
             raise StudyError(f"{path}: missing required key `{key}`")
+    if ("seeds" in raw) == ("blocks" in raw):
+        raise StudyError(f"{path}: give exactly one of `seeds` (a count or a list) or `blocks` (groups of seeds)")
     name = str(raw.get("name") or path.stem)
     if not _NAME_RE.match(name):
         raise StudyError(f"{path}: study name {name!r} must be usable as a directory name")
@@ -327,7 +381,11 @@ def load_study(path: str | Path, seeds: int | None = None) -> Study:
     if control not in names:
         raise StudyError(f"{path}: control {control!r} is not one of the variants {names}")
 
-    seed_list, from_count = _parse_seeds(path, raw["seeds"])
+    blocks = _parse_blocks(path, raw.get("blocks"))
+    if blocks:
+        seed_list, from_count = [s for b in blocks.values() for s in b.seeds], False
+    else:
+        seed_list, from_count = _parse_seeds(path, raw["seeds"])
     seed_keys = raw.get("seed_keys", list(DEFAULT_SEED_KEYS))
     if isinstance(seed_keys, str):
         seed_keys = [seed_keys]
@@ -348,7 +406,7 @@ def load_study(path: str | Path, seeds: int | None = None) -> Study:
         description=str(raw.get("description") or "").strip(), budget=str(raw.get("budget") or "").strip(),
         tutorial=str(raw.get("tutorial") or "").strip(), seeds_from_count=from_count, raw=raw, claims=claims,
         expected_minutes=None if expected is None else float(expected),
-        regime=str(raw.get("regime") or "").strip(),
+        regime=str(raw.get("regime") or "").strip(), blocks=blocks,
     )
     if seeds is not None:
         study = study.with_seed_count(seeds)
@@ -402,3 +460,9 @@ def validate_config(study: Study, log_args: Sequence[str] = ()) -> None:
                 which = f" (offending key(s): {', '.join(culprits)})" if culprits else ""
                 raise StudyError(f"{study.path}: variant {variant.name!r}: the overrides do not form a valid "
                                  f"config of {study.base.name}{which}: {_short_error(err)}") from None
+        for block in list(study.blocks.values())[1:]:  # the first block was checked with every variant above
+            try:
+                check(study.run_args(study.variant(study.control), block.seeds[0]) + list(log_args))
+            except (Exception, SystemExit) as err:  # noqa: BLE001
+                raise StudyError(f"{study.path}: block {block.name!r}: its overrides do not form a valid config of "
+                                 f"{study.base.name}: {_short_error(err)}") from None

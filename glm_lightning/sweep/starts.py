@@ -1,0 +1,117 @@
+"""Pick RL start checkpoints: per pre-training run, the kept checkpoint whose greedy pass on a set of families is
+closest to a target (the tutorial's RL screen started from an under-trained checkpoint at about 25%).
+
+    python -m glm_lightning.sweep.starts --target 0.25 --out runs/starts \
+        pt0=lightning_logs/rl_screen_pretrain/seed0 pt1=... [--families increment double square even reverse]
+        [--per-family 32] [--split dev]
+
+Every `*.ckpt` under a run's `checkpoints/` is evaluated (greedy completions of `per_family` tasks per family of
+`split`, scored in the sandboxed verifier); the closest to the target (ties: the earlier file) is copied to
+`<out>/<label>.ckpt`, and `<out>/starts.json` records for each label the source, every candidate's pass, the chosen
+pass and the sha256 of the copy, which the RL reports cite (the pre-RL pass of each start). The selection uses the
+dev split; the RL screen evaluates on the confirm split, so the start is not chosen on the tasks that judge it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from glm_lightning.sweep.fingerprint import file_digest
+from glm_lightning.sweep.study import StudyError
+
+SCREEN_FAMILIES = ("increment", "double", "square", "even", "reverse")
+STARTS_FILE = "starts.json"
+
+
+def greedy_pass_by_family(model: Any, families: Sequence[str], per_family: int, split: str = "dev", seed: int = 0,
+                          max_new_tokens: int = 48) -> dict[str, tuple[int, int]]:
+    """family -> (tasks whose greedy completion passes, tasks), verified in the sandbox."""
+    from glm_lightning.evaluation import VerifierSettings, evaluate_tasks
+    from glm_lightning.tasks.task import make_tasks
+
+    tasks = make_tasks(split, per_family, list(families), seed=seed)
+    verifier = VerifierSettings(workers=1).build()
+    try:
+        outcome = evaluate_tasks(model, tasks, verifier, greedy=True, max_new_tokens=max_new_tokens)
+    finally:
+        verifier.close()
+    counts = {fam: [0, 0] for fam in families}
+    for task, passed in zip(tasks, outcome.greedy):
+        counts[task.family][0] += int(passed)
+        counts[task.family][1] += 1
+    return {fam: (k, n) for fam, (k, n) in counts.items()}
+
+
+def candidates(run_dir: Path) -> list[Path]:
+    """The checkpoints a pre-training run kept (`checkpoints/**/*.ckpt`, `last.ckpt` excluded: a duplicate)."""
+    found = sorted(p for p in (run_dir / "checkpoints").rglob("*.ckpt") if p.name != "last.ckpt")
+    if not found:
+        raise StudyError(f"no checkpoint under {run_dir / 'checkpoints'}: run the pre-training first")
+    return found
+
+
+def pick(passes: dict[Path, float], target: float) -> Path:
+    """The checkpoint whose pass is closest to `target`; ties go to the first in `passes`' order."""
+    return min(passes, key=lambda p: abs(passes[p] - target))
+
+
+def choose_starts(runs: dict[str, Path], out: Path, target: float, evaluate: Callable[[Path], float],
+                  log: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
+    """Evaluate every candidate of every run, copy the chosen ones to `out/<label>.ckpt`, write `out/starts.json`."""
+    out.mkdir(parents=True, exist_ok=True)
+    record: dict[str, dict[str, Any]] = {}
+    for label, run_dir in runs.items():
+        passes = {}
+        for ckpt in candidates(run_dir):
+            t0 = time.perf_counter()
+            passes[ckpt] = evaluate(ckpt)
+            log(f"[starts] {label}: {ckpt} greedy pass {100 * passes[ckpt]:.1f}% ({time.perf_counter() - t0:.0f} s)")
+        chosen = pick(passes, target)
+        dest = out / f"{label}.ckpt"
+        shutil.copyfile(chosen, dest)
+        record[label] = {"source": str(chosen), "greedy_pass": passes[chosen], "sha256": file_digest(dest),
+                         "candidates": {str(p): v for p, v in passes.items()}, "target": target}
+        log(f"[starts] {label}: chose {chosen} ({100 * passes[chosen]:.1f}%) -> {dest}")
+    (out / STARTS_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    p = argparse.ArgumentParser(prog="python -m glm_lightning.sweep.starts", description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", metavar="LABEL=RUN_DIR", help="a pre-training run directory per label")
+    p.add_argument("--target", type=float, default=0.25, help="greedy pass to aim for (default 0.25)")
+    p.add_argument("--families", nargs="+", default=list(SCREEN_FAMILIES))
+    p.add_argument("--per-family", type=int, default=32)
+    p.add_argument("--split", default="dev")
+    p.add_argument("--out", default="runs/starts")
+    args = p.parse_args(argv)
+    try:
+        runs = {}
+        for item in args.runs:
+            label, sep, path = item.partition("=")
+            if not sep or not label or not Path(path).is_dir():
+                raise StudyError(f"expected LABEL=RUN_DIR with an existing directory, got {item!r}")
+            runs[label] = Path(path)
+        if not 0 <= args.target <= 1:
+            raise StudyError(f"--target is a pass rate in [0, 1], got {args.target}")
+        from glm_lightning.generate_cli import load_model
+
+        def evaluate(ckpt: Path) -> float:
+            counts = greedy_pass_by_family(load_model(str(ckpt)), args.families, args.per_family, args.split)
+            return sum(k for k, _ in counts.values()) / max(1, sum(n for _, n in counts.values()))
+
+        return choose_starts(runs, Path(args.out), args.target, evaluate)
+    except StudyError as err:
+        print(f"starts: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
