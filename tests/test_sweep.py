@@ -279,6 +279,18 @@ def test_failing_run_is_reported_others_continue_exit_nonzero(tiny_sweep, tmp_pa
     assert "not testable: 0 paired seeds" in report
 
 
+def test_make_test_installs_ray_so_ci_runs_the_ray_test():
+    """`make test` (what CI runs) installs the `ray` extra, so test_ray_backend runs there instead of skipping."""
+    import tomllib
+
+    from glm_lightning.sweep.study import REPO_ROOT
+
+    install = [ln for ln in (REPO_ROOT / "Makefile").read_text().splitlines() if "pip install" in ln and "-e" in ln]
+    assert install and "ray" in install[0].split("-e", 1)[1]
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("ray") for dep in extras["ray"])
+
+
 def test_ray_backend(tmp_path):
     pytest.importorskip("ray")
     outcome = run_sweep(["--config", str(STUDY), "--out", str(tmp_path), "--workers", "2", "--seeds", "1",
