@@ -144,3 +144,15 @@ def test_the_shipped_screen_study_validates(tmp_path, monkeypatch, capsys):
     run_sweep(["--config", str(SCREEN), "--out", str(tmp_path / "sweeps"), "--dry-run", "--seeds", "1"])
     out = capsys.readouterr().out
     assert out.count("python -m glm_lightning fit") == 24 and "init_weights=runs/starts/pt2.ckpt" in out
+
+
+def test_recorded_and_reproduced_seed_counts_are_per_block(tmp_path):
+    import argparse
+
+    from glm_lightning.sweep.cli import SWEEP_FILE, record_arguments, reproduce_command
+
+    study = load_study(_blocked_study(tmp_path)).with_seed_count(2)
+    args = argparse.Namespace(config="study.yaml", settings=[], threads_per_run=1, out="runs", backend="local")
+    record_arguments(tmp_path / "out", args, study)
+    assert json.loads((tmp_path / "out" / SWEEP_FILE).read_text())["seeds"] == 2
+    assert "--seeds 2 " in reproduce_command(args, study, 2)

@@ -96,9 +96,14 @@ def parse_settings(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _seed_count(study: Study) -> int:
+    """What `--seeds` means for this study: seeds in all, or per block for a study with blocks."""
+    return len(next(iter(study.blocks.values())).seeds) if study.blocks else len(study.seeds)
+
+
 def reproduce_command(args: argparse.Namespace, study: Study, workers: int) -> str:
     parts = ["python -m glm_lightning sweep", "--config", shlex.quote(str(args.config)), "--seeds",
-             str(len(study.seeds)), "--workers", str(workers), "--out", shlex.quote(str(args.out))]
+             str(_seed_count(study)), "--workers", str(workers), "--out", shlex.quote(str(args.out))]
     if args.backend != "local":
         parts += ["--backend", args.backend]
     if args.threads_per_run != 1:
@@ -114,7 +119,7 @@ def record_arguments(out_dir: Path, args: argparse.Namespace, study: Study) -> N
     """Save the sweep's arguments in its output folder, so `--report-only` finds the runs this sweep wrote."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / SWEEP_FILE).write_text(json.dumps({
-        "config": str(args.config), "seeds": len(study.seeds), "settings": list(args.settings),
+        "config": str(args.config), "seeds": _seed_count(study), "settings": list(args.settings),
         "threads_per_run": args.threads_per_run, "written": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1) + "\n")
 
 
