@@ -284,3 +284,22 @@ def test_level_intervals_stay_within_0_and_100():
                 assert 0.0 <= lo <= hi <= 100.0, f"{report.name}: {line[:60]}"
                 checked += 1
     assert checked >= 20
+
+
+def test_a_partial_rerun_never_replaces_the_saved_results(tmp_path):
+    """Issue 35: no command replaces a results file with less than it held. The saved copy has all 20 runs; a new
+    runs directory with 4 of them leaves it as it was and the table keeps reading the 20."""
+    path = _study_with_claims(tmp_path, [CLAIM])
+    study = load_study(path)
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    results = _results(study, ACC, runs)
+    write_results(data / "sweep_tiny.json", results_payload(study, results, "python -m ...", 600.0, 2))
+    before = (data / "sweep_tiny.json").read_bytes()
+    for r in results[:4]:
+        r.spec.run_dir.mkdir(parents=True)
+        (r.spec.run_dir / DONE_FILE).write_text(json.dumps(
+            {"fingerprint": r.spec.fingerprint, "final": r.final, "wall_s": 60.0}))
+    row = _row(main(["--studies", str(path), "--runs", str(runs), "--data", str(data), "--out",
+                     str(tmp_path / "F.md")], log=lambda _m: None).read_text())
+    assert "n=10 seeds" in row and "partial: " not in row
+    assert (data / "sweep_tiny.json").read_bytes() == before

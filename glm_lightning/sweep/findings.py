@@ -120,11 +120,13 @@ def from_saved(study: Study, path: Path, runs_root: Path) -> StudyResults:
 
 
 def collect(study: Study, runs_root: Path, data_dir: Path) -> StudyResults:
-    """The study's results: the runs directory when it has any matching run, else the saved copy."""
+    """The study's results: the runs directory when it has at least as many finished runs of the shipped study as the
+    saved copy, else the saved copy (a partial rerun never replaces a complete saved result: issue 35)."""
     live = from_runs(study, runs_root)
-    if live.results:
+    saved = from_saved(study, data_dir / f"{study.name}.json", runs_root)
+    if live.results and live.finished >= saved.finished:
         return live
-    return from_saved(study, data_dir / f"{study.name}.json", runs_root)
+    return saved
 
 
 # --- one row per claim -----------------------------------------------------------------------------------------------

@@ -354,7 +354,7 @@ class RayBackend:
         try:
             import ray
         except ImportError as err:
-            raise StudyError("the ray backend needs Ray: pip install '.[ray]' (or pip install 'ray[train,tune]')") \
+            raise StudyError("the ray backend needs Ray: pip install -e '.[ray]' (or pip install 'ray>=2.40')") \
                 from err
         self.ray = ray
         self.workers, self.threads, self.timeout_s = max(1, workers), threads, timeout_s
