@@ -389,3 +389,4 @@ def torch_load_step(path: Path) -> int:
     import torch
 
     return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+

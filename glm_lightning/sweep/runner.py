@@ -363,7 +363,13 @@ class RayBackend:
             kwargs: dict[str, Any] = {"address": address, "log_to_driver": False}
             if address is None:
                 kwargs["num_cpus"] = self.workers * threads
-            ray.init(**kwargs)
+            try:
+                ray.init(**kwargs)
+            except Exception as err:  # noqa: BLE001 - ConnectionError, ray's AuthenticationError, ...
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise StudyError(f"cannot connect to the Ray cluster at {address}: {first[:300]} (a cluster started "
+                                 f"by `ray start --head` uses token authentication: set RAY_AUTH_MODE=token on the "
+                                 f"driver, with the token in ~/.ray/auth_token or $RAY_AUTH_TOKEN)") from None
 
     def run(self, specs: Sequence[RunSpec], on_outcome: Callable[[Outcome], None]) -> None:
         ray = self.ray
