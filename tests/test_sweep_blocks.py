@@ -103,7 +103,8 @@ def test_starts_pick_the_checkpoint_closest_to_the_target(tmp_path):
     assert record["pt1"]["source"].endswith("step040.ckpt")  # 0.24 and 0.26 tie at 0.01: the earlier one
     assert (tmp_path / "starts" / "pt1.ckpt").read_bytes() == b"1-40"
     saved = json.loads((tmp_path / "starts" / "starts.json").read_text())
-    assert saved["pt1"]["sha256"] == file_digest(tmp_path / "starts" / "pt1.ckpt") and len(saved["pt0"]["candidates"]) == 4
+    assert saved["pt1"]["sha256"] == file_digest(tmp_path / "starts" / "pt1.ckpt")
+    assert len(saved["pt0"]["candidates"]) == 4
     assert pick({Path("x"): 0.5, Path("y"): 0.0}, 0.25) == Path("x")
 
 

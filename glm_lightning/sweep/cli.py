@@ -278,5 +278,6 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, old)
     if outcome.failed:
         print(f"sweep: {len(outcome.failed)} of {len(outcome.results)} runs failed or did not run: "
-              + ", ".join(r.spec.key for r in outcome.failed) + f" (details in {outcome.report or outcome.out_dir})", file=sys.stderr)
+              + ", ".join(r.spec.key for r in outcome.failed)
+              + f" (details in {outcome.report or outcome.out_dir})", file=sys.stderr)
         raise SystemExit(1)

@@ -46,7 +46,8 @@ def results_payload(study: Study, results: Sequence[RunResult], command: str, el
     metric and its wall time, plus how the invocation ran. Small enough to commit."""
     tags = [m.tag for m in study.metrics]
     runs = [{"variant": r.spec.variant, "seed": r.spec.seed, "fingerprint": r.spec.fingerprint,
-             "identity": r.spec.identity, "parts": r.spec.parts, "final": {t: r.final[t] for t in tags if t in r.final}, "wall_s": round(r.wall_s, 2)}
+             "identity": r.spec.identity, "parts": r.spec.parts,
+             "final": {t: r.final[t] for t in tags if t in r.final}, "wall_s": round(r.wall_s, 2)}
             for r in results if r.ok]
     return {"study": study.name, "written": time.strftime("%Y-%m-%d %H:%M"), "git": git, "command": command,
             "elapsed_s": None if elapsed_s is None else round(elapsed_s, 1), "workers": workers,

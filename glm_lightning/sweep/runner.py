@@ -252,7 +252,8 @@ def finalize(spec: RunSpec, rc: int, wall_s: float) -> RunResult:
             error = "" if final else "the run finished but wrote no TensorBoard scalars (is trainer.logger set?)"
         if not error:
             done = {"variant": spec.variant, "seed": spec.seed, "fingerprint": spec.fingerprint,
-                    "parts": spec.parts, "identity": spec.identity, "final": final, "steps": steps, "wall_s": round(wall_s, 2),
+                    "parts": spec.parts, "identity": spec.identity, "final": final, "steps": steps,
+                    "wall_s": round(wall_s, 2),
                     "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "command": " ".join(spec.command())}
             (spec.run_dir / DONE_FILE).write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
