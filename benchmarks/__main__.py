@@ -3,7 +3,7 @@ numbers saved to benchmarks/results/latest.json.
 
     python -m benchmarks [--quick] [--threads auto|1|2] [--only ops,cext,kda,train,generation,vs_commit,verifier,rl]
 
-`--threads auto` (the default) uses glm_lightning.model.threads.choose_threads: one thread per core that other
+`--threads auto` (the default) uses glm_lightning.threads.choose_threads: one thread per core that other
 processes do not already keep busy (see that module for why).
 """
 
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from glm_lightning.model.threads import choose_threads
+from glm_lightning.threads import choose_threads
 
 BENCHES = ("ops", "cext", "kda", "train", "generation", "vs_commit", "verifier", "rl")
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from glm_lightning.model import cext
-from glm_lightning.model.kda import kda_chunked, kda_core
+from glm_lightning.model.ops import kda_chunked, kda_core
 
 SHAPES = {"flash-25m": (32, 128, 6, 32, 32), "study": (8, 128, 3, 16, 16)}
 """name -> (B, T, H, K = V, chunk size) as the model runs them (the safe gate's bound 5)."""
@@ -37,7 +37,7 @@ def _inputs(B: int, T: int, H: int, K: int) -> list[torch.Tensor]:
 def _step(xs: list[torch.Tensor], chunk: int, cpp: bool) -> float:
     t = time.perf_counter()
     core = kda_core if cpp else kda_chunked
-    o, s = core(*xs[:5], chunk, xs[5], gate_bound=5.0, fused=cpp)
+    o, s = core(*xs[:5], chunk, xs[5], gate_bound=5.0, cpp=cpp)
     torch.autograd.grad(o.sum() + s.sum(), xs)
     return time.perf_counter() - t
 

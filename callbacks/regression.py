@@ -25,8 +25,6 @@ the same report and take the same stop decision. Model-written code only runs in
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,81 +45,9 @@ from glm_lightning.evaluation import (
     resolve_eval_tasks,
     shard,
 )
-from glm_lightning.stats import format_p, holm, mcnemar_exact, paired_bootstrap_ci, wilson_interval
+from glm_lightning.stats import Measurement, compare_families, format_p
 from glm_lightning.tasks.families import resolve_families
 from glm_lightning.tasks.task import SPLITS
-
-Measurement = dict[str, dict[str, list[float]]]
-"""family -> {"task_ids": [...], "greedy": [0/1 per task], "sampled": [pass fraction per task] (optional)}"""
-
-
-def compare_families(baseline: Measurement, current: Measurement, *, alpha: float = 0.05, min_effect: float = 0.0,
-                     confidence: float = 0.95, n_boot: int = 10000, seed: int = 0,
-                     roles: dict[str, str] | None = None) -> dict[str, Any]:
-    """Per-family change from `baseline` to `current` (same tasks, same order) with intervals and Holm-corrected
-    exact McNemar tests; returns a JSON-ready report (see the module docstring for the decision rule)."""
-    families = [f for f in baseline if f in current]
-    rows: dict[str, dict[str, Any]] = {}
-    pvals: list[float] = []
-    for fam in families:
-        before = [int(v) for v in baseline[fam]["greedy"]]
-        after = [int(v) for v in current[fam]["greedy"]]
-        if len(before) != len(after):
-            raise ValueError(f"family {fam}: baseline has {len(before)} tasks, current {len(after)}")
-        n = len(before)
-        losses = sum(1 for a, b in zip(before, after) if a and not b)
-        gains = sum(1 for a, b in zip(before, after) if b and not a)
-        p = mcnemar_exact(losses, gains)
-        pvals.append(p)
-        row: dict[str, Any] = {
-            "role": (roles or {}).get(fam, "evaluated"),
-            "n_tasks": n,
-            "baseline_greedy": sum(before) / n if n else math.nan,
-            "baseline_greedy_ci": list(wilson_interval(sum(before), n, confidence)),
-            "current_greedy": sum(after) / n if n else math.nan,
-            "current_greedy_ci": list(wilson_interval(sum(after), n, confidence)),
-            "losses": losses,
-            "gains": gains,
-            "p_mcnemar": p,
-        }
-        row["delta"] = row["current_greedy"] - row["baseline_greedy"]
-        row["delta_ci"] = _paired_ci(before, after, confidence, n_boot, seed)
-        sb, sa = baseline[fam].get("sampled"), current[fam].get("sampled")
-        if sb and sa and len(sb) == len(sa):
-            row["baseline_sampled"] = float(np.mean(sb))
-            row["current_sampled"] = float(np.mean(sa))
-            row["delta_sampled"] = row["current_sampled"] - row["baseline_sampled"]
-            row["delta_sampled_ci"] = _paired_ci(sb, sa, confidence, n_boot, seed)
-        rows[fam] = row
-    adjusted = holm(pvals) if pvals else []
-    flagged, improved = [], []
-    for fam, p_adj in zip(families, adjusted):
-        row = rows[fam]
-        row["p_holm"] = p_adj
-        significant = p_adj <= alpha
-        row["regression"] = bool(significant and row["losses"] > row["gains"] and -row["delta"] >= min_effect)
-        row["improvement"] = bool(significant and row["gains"] > row["losses"])
-        row["verdict"] = ("REGRESSION" if row["regression"] else "improved" if row["improvement"]
-                          else "no significant change")
-        if row["regression"]:
-            flagged.append(fam)
-        if row["improvement"]:
-            improved.append(fam)
-    return {"alpha": alpha, "min_effect": min_effect, "confidence": confidence, "test": "exact McNemar on greedy "
-            "task outcomes, Holm-adjusted across families", "families": rows, "flagged": flagged,
-            "improved": improved}
-
-
-def _paired_ci(before: Sequence[float], after: Sequence[float], confidence: float, n_boot: int,
-               seed: int) -> list[float]:
-    if len(before) == 0:
-        return [math.nan, math.nan]
-    if len(before) == 1:
-        d = float(after[0]) - float(before[0])
-        return [d, d]
-    lo, hi = paired_bootstrap_ci(before, after, n_boot=n_boot, confidence=confidence, seed=seed)
-    return [lo, hi]
-
 
 def summary_counts(measurement: Measurement, roles: dict[str, str], n_samples: int) -> dict[str, dict[str, int]]:
     """Counts of the tutorial's confirmation table per role (`rewarded`, `monitor`, `all`): `tasks`,

@@ -78,7 +78,7 @@ def choose_run_threads() -> int | None:
     unless the user fixed them with OMP_NUM_THREADS; returns the count set (None = left alone)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return None
-    from glm_lightning.model.threads import use_threads
+    from glm_lightning.threads import use_threads
 
     n = use_threads()
     rank_zero_info(f"[threads] {n} intra-op thread(s): the idle cores (OMP_NUM_THREADS overrides)")

@@ -9,18 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
-from glm_lightning.model.dsa import (
-    DSACache,
-    SparseAttention,
-    _fill_empty_rows,
-    decode_key_mask,
-    indexer_kl_loss,
-    lightning_index_scores,
-    single_query_attention,
-    topk_mask,
-    topk_select,
-)
+from glm_lightning.model.dsa import DSACache, SparseAttention, indexer_kl_loss
+from glm_lightning.model.ops import reference, thresholds
+from glm_lightning.model.ops.dsa import decode_key_mask, single_query_attention, topk_mask, topk_select
+from glm_lightning.model.ops.dsa import fill_empty_rows as _fill_empty_rows
+from glm_lightning.model.ops.dsa import index_scores as lightning_index_scores
 
 ATOL = 1e-5
 
@@ -65,8 +60,8 @@ def naive_probs(m: SparseAttention, x: torch.Tensor, keep: torch.Tensor) -> torc
 
 
 def naive_attention(m: SparseAttention, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    _, _, v = naive_qkv(m, x)
-    o = naive_probs(m, x, keep) @ v
+    q, k, v = naive_qkv(m, x)
+    o = reference.masked_attention(q, k, v, keep)
     return o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1) @ m.o_proj.weight.T
 
 
@@ -81,8 +76,7 @@ def naive_index_scores(m: SparseAttention, x: torch.Tensor) -> torch.Tensor:
     qi = torch.cat([ix.rope.apply_rope(qi[..., :R], pos), qi[..., R:]], -1)
     ki = torch.cat([ix.rope.apply_rope(ki[..., :R], pos), ki[..., R:]], -1)
     w = (x @ ix.w_proj.weight.T) / math.sqrt(HI) / math.sqrt(DI)  # [B, T, HI]
-    dots = torch.einsum("bhtd,bsd->bhts", qi, ki).relu()
-    return torch.einsum("bhts,bth->bts", dots, w)
+    return reference.index_scores(qi, w, ki)
 
 
 def causal(T: int) -> torch.Tensor:
@@ -338,10 +332,10 @@ def run_cached(m: SparseAttention, x: torch.Tensor, valid: torch.Tensor | None, 
 # dense bypass throughout (T <= top_k 6); sparse regime decoded by boolean-mask SDPA or by gathering the k keys
 @pytest.mark.parametrize("T,gather", [(6, False), (22, False), (22, True)])
 @pytest.mark.parametrize("splits", [[1], [3], [4, 9], [13]])
-def test_prefill_plus_decode_equals_full_forward(T: int, gather: bool, splits: list[int]) -> None:
+def test_prefill_plus_decode_equals_full_forward(T: int, gather: bool, splits: list[int], monkeypatch) -> None:
     splits = [s for s in splits if s <= T] or [T - 1]
     m = make().eval()
-    m.decode_gather_min_keys = 0 if gather else 10**9
+    monkeypatch.setattr(thresholds, "DECODE_GATHER_MIN_KEYS_PER_TOP_K", 0 if gather else 10**9)
     torch.manual_seed(8)
     x = torch.randn(2, T, 32)
     valid = torch.ones(2, T, dtype=torch.bool)
@@ -356,7 +350,6 @@ def test_prefill_plus_decode_equals_full_forward(T: int, gather: bool, splits: l
 
 def _decode_paths() -> list[str]:
     """The decode-step ops' paths: eager (autograd on), and the C++ ops of csrc/decode_attention.cpp when built."""
-    from glm_lightning.model import cext
     return ["eager", "cpp"] if cext.available() else ["eager"]
 
 
@@ -436,17 +429,17 @@ def test_decode_key_mask_op_equals_topk_mask_and_fill(S: int, top_k: int) -> Non
 
 
 @pytest.mark.parametrize("gather", [False, True])
-def test_cache_with_attn_rope_and_gqa(gather: bool) -> None:
+def test_cache_with_attn_rope_and_gqa(gather: bool, monkeypatch) -> None:
     m = make(attn_rope=True, n_kv_heads=1).eval()
-    m.decode_gather_min_keys = 0 if gather else 10**9
+    monkeypatch.setattr(thresholds, "DECODE_GATHER_MIN_KEYS_PER_TOP_K", 0 if gather else 10**9)
     x = torch.randn(2, 18, 32)
     with torch.inference_mode():
         assert torch.allclose(run_cached(m, x, None, [5]), m(x)[0], atol=ATOL)
 
 
-def test_repeat_interleave_and_index_select_equal_independent_runs() -> None:
+def test_repeat_interleave_and_index_select_equal_independent_runs(monkeypatch) -> None:
     m = make().eval()
-    m.decode_gather_min_keys = 0
+    monkeypatch.setattr(thresholds, "DECODE_GATHER_MIN_KEYS_PER_TOP_K", 0)
     torch.manual_seed(9)
     prompts = torch.randn(2, 5, 32)
     conts = torch.randn(6, 12, 32)

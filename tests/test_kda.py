@@ -6,12 +6,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glm_lightning.model import cext
+from glm_lightning.model import cext, ops
 from glm_lightning.model.config import GLMConfig
-from glm_lightning.model.kda import KDACache, KDAttention, kda_chunked, kda_core, kda_recurrent
+from glm_lightning.model.kda import KDACache, KDAttention
+from glm_lightning.model.ops import kda_chunked, kda_core
+from glm_lightning.model.ops.kda_chunkwise import scan, scan_backward
+from glm_lightning.model.ops.kda_recurrent import SEGMENT, recurrent_cpp
+from glm_lightning.model.ops.kda_recurrent import _KDARecurrentCpp as KDARecurrentCpp
+from glm_lightning.model.ops.kda_decode import conv_step_, delta_step_
+from glm_lightning.model.ops.kda_inputs import _ShortConvCpp as ShortConvSiLU
+from glm_lightning.model.ops.reference import kda_recurrent
 
 LB = -5.0
-# the chunk hand-off: eager loop (False), the C++ op (True; skipped when GLM_LIGHTNING_EXT=0 or it cannot be built)
+# the chunk hand-off: PyTorch loop (False), the C++ op (True; skipped when GLM_LIGHTNING_EXT=0 or it cannot be built)
 HANDOFF = pytest.mark.parametrize("fused", [
     False, pytest.param(True, marks=pytest.mark.skipif(not cext.available(), reason="C++ ops not available"))],
     ids=["eager", "cpp"])
@@ -53,6 +60,32 @@ def _layer(seed=0, **kw):
     return layer
 
 
+def pytorch_form(fn, *args):
+    """fn with the C++ ops switched off."""
+    with ops.cpp_ops(False):
+        return fn(*args)
+
+
+class StateScan(torch.autograd.Function):
+    """The chunk hand-off S_{n+1} = P_n S_n + R_n (P [N, M, K, K], R [N, M, K, V], S_0 [M, K, V] -> all states) with
+    the backward the chunked core uses (dS_n = dS_n(direct) + P_n^T dS_{n+1}, dR_n = dS_{n+1}, dP_n = dS_{n+1} S_n^T),
+    on its own so that it can be gradchecked; ``cpp`` picks the C++ loops."""
+
+    @staticmethod
+    def forward(ctx, P, R, S0, cpp=False):
+        ctx.cpp = cpp
+        S_all = scan(P, R, S0, cpp)
+        ctx.save_for_backward(P, S_all)
+        return S_all
+
+    @staticmethod
+    def backward(ctx, grad):
+        P, S_all = ctx.saved_tensors
+        g = scan_backward(grad, P, ctx.cpp)
+        g_next = g[1:]
+        return torch.matmul(g_next, S_all[:-1].transpose(-1, -2)), g_next, g[0], None
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # pure functions
 # ------------------------------------------------------------------------------------------------------------------
@@ -62,7 +95,7 @@ def _layer(seed=0, **kw):
 def test_chunked_matches_recurrent_fp32(chunk, T, fused):
     inputs = _inputs(2, T, 2, 8, 6, seed=T)
     o_r, s_r, g_r = _run_with_grads(lambda q, k, v, g, b, s0: kda_recurrent(q, k, v, g, b, s0), inputs)
-    o_c, s_c, g_c = _run_with_grads(lambda q, k, v, g, b, s0: kda_chunked(q, k, v, g, b, chunk, s0, fused=fused),
+    o_c, s_c, g_c = _run_with_grads(lambda q, k, v, g, b, s0: kda_chunked(q, k, v, g, b, chunk, s0, cpp=fused),
                                     inputs)
     assert o_c.dtype == s_c.dtype == torch.float32
     assert o_c.shape == o_r.shape == (2, T, 2, 6) and s_c.shape == (2, 2, 8, 6)
@@ -76,14 +109,14 @@ def test_chunked_matches_recurrent_fp32(chunk, T, fused):
 def test_chunked_matches_recurrent_fp64_and_gradcheck(fused):
     inputs = _inputs(2, 37, 3, 8, 5, dtype=torch.float64, seed=3)
     o_r, s_r, g_r = _run_with_grads(lambda q, k, v, g, b, s0: kda_recurrent(q, k, v, g, b, s0), inputs)
-    o_c, s_c, g_c = _run_with_grads(lambda q, k, v, g, b, s0: kda_chunked(q, k, v, g, b, 16, s0, fused=fused), inputs)
+    o_c, s_c, g_c = _run_with_grads(lambda q, k, v, g, b, s0: kda_chunked(q, k, v, g, b, 16, s0, cpp=fused), inputs)
     assert o_c.dtype == torch.float64
     torch.testing.assert_close(o_c, o_r, rtol=0, atol=1e-12)
     torch.testing.assert_close(s_c, s_r, rtol=0, atol=1e-12)
     for a, b in zip(g_c, g_r):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
     small = [x.clone().requires_grad_() for x in _inputs(1, 6, 1, 3, 2, dtype=torch.float64, seed=4)]
-    assert torch.autograd.gradcheck(lambda *xs: kda_chunked(*xs[:5], 4, xs[5], fused=fused), small, fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *xs: kda_chunked(*xs[:5], 4, xs[5], cpp=fused), small, fast_mode=True)
 
 
 @pytest.mark.parametrize("lb,chunk", [(-5.0, 32), (-10.0, 16)])
@@ -194,9 +227,8 @@ def test_pad_steps_leave_the_state_unchanged(T):
 def test_prefill_then_decode_equals_full_forward(t, fused_step, monkeypatch):
     """Decoding token by token after a prefill equals the full forward, with the C++ decode ops (when loaded) and
     with the eager step."""
-    import glm_lightning.model.kda as kda_mod
     if not fused_step:
-        monkeypatch.setattr(kda_mod, "_fusable", lambda *ts: False)
+        monkeypatch.setattr(ops.backend, "_switched_on", False)
     elif not cext.available():
         pytest.skip("C++ ops not available")
     layer = _layer(seed=3)
@@ -221,13 +253,12 @@ def test_decode_core_op_equals_the_step_ops_bit_for_bit(monkeypatch):
     padding mask takes, here all True), over several steps, and within 1e-5 of the full forward."""
     if not cext.available():
         pytest.skip("C++ ops not available")
-    from glm_lightning.model.kda import KDAttention
     layer = _layer(seed=9, head_dim=16)
     B, T, t0 = 3, 12, 5
     x = torch.randn(B, T, 32)
     calls = []
-    orig = KDAttention._decode_core
-    monkeypatch.setattr(KDAttention, "_decode_core", lambda self, *a: calls.append(1) or orig(self, *a))
+    orig = torch.ops.glm_lightning.kda_decode_core
+    monkeypatch.setattr(torch.ops.glm_lightning, "kda_decode_core", lambda *a: calls.append(1) or orig(*a))
     with torch.no_grad():
         full = layer(x)[0]
         c_core, c_ops = KDACache.empty(B, _cfg(head_dim=16)), KDACache.empty(B, _cfg(head_dim=16))
@@ -290,7 +321,8 @@ def test_gate_bounds_and_unit_norms():
     layer = _layer(seed=6)
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
-        q, k, v, g, beta, gate, raw = layer._features(x, None, None)
+        raw, f, b, _ = layer._projections(x, None)
+        q, k, v, g, beta = layer._features(ops.short_conv(raw, layer.conv.weight)[0], f, b, None)
         assert ((g >= cfg.kda_gate_lower_bound) & (g <= 0)).all() and (g < -1e-6).any() and (g > -4.99).any()
         assert ((beta > 0) & (beta < 1)).all()
         torch.testing.assert_close(k.norm(dim=-1), torch.ones_like(k[..., 0]))
@@ -375,8 +407,6 @@ def test_inference_weight_cache_follows_parameter_updates():
 @HANDOFF
 def test_state_scan_backward_gradcheck_and_equals_the_loop(fused):
     """The hand-written hand-off S_{n+1} = P_n S_n + R_n: gradcheck (float64) and forward/grads of the plain loop."""
-    from glm_lightning.model.kda import StateScan
-
     torch.manual_seed(0)
     P, R, S0 = torch.randn(3, 2, 4, 4) * 0.5, torch.randn(3, 2, 4, 5), torch.randn(2, 4, 5)
     args = tuple(t.double().requires_grad_() for t in (P, R, S0))
@@ -415,7 +445,6 @@ def test_cpp_recurrent_core_equals_the_eager_recurrence(K, V, T):
     """The C++ recurrence (csrc/kda_recurrent.cpp) against kda_recurrent on the model's head sizes, padded and unequal
     ones, a tail segment (T not a multiple of SEGMENT) and one token; strided q/k/v views as the layer passes them:
     values, final state and every gradient (fp32)."""
-    from glm_lightning.model.kda_recurrent_cpp import KDARecurrentCpp
 
     B, H = 2, 3
     q, k, v, g, beta, s0 = _inputs(B, T, H, K, V, seed=K + V + T)
@@ -426,7 +455,7 @@ def test_cpp_recurrent_core_equals_the_eager_recurrence(K, V, T):
     orig = KDARecurrentCpp.apply
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(KDARecurrentCpp, "apply", lambda *a: calls.append(1) or orig(*a))
-        o_c, s_c, g_c = _run_with_grads(lambda *xs: kda_core(*xs[:5], 16, xs[5], fused=True), inputs)
+        o_c, s_c, g_c = _run_with_grads(lambda *xs: kda_core(*xs[:5], 16, xs[5], cpp=True), inputs)
     assert calls, "the C++ recurrence did not run"
     torch.testing.assert_close(o_c, o_e, rtol=0, atol=2e-6)
     torch.testing.assert_close(s_c, s_e, rtol=0, atol=2e-6)
@@ -439,7 +468,6 @@ def test_cpp_recurrent_core_equals_the_eager_recurrence(K, V, T):
 def test_cpp_recurrent_core_gradcheck_fp64(K, V):
     """gradcheck of the C++ recurrence (fp64 instantiation) over two segments and a tail: a square head as the op takes
     it, and an unequal one zero-padded to a square (recurrent_cpp)."""
-    from glm_lightning.model.kda_recurrent_cpp import SEGMENT, recurrent_cpp
 
     xs = [x.requires_grad_() for x in _inputs(1, SEGMENT + 5, 2, K, V, dtype=torch.float64, seed=13)]
     assert torch.autograd.gradcheck(recurrent_cpp, xs, fast_mode=True)
@@ -453,8 +481,8 @@ def test_cpp_recurrent_core_fp32_error_over_a_long_sequence(lb):
     q, k, v, g, beta, _ = _inputs(2, 2048, 2, 32, 32, dtype=torch.float64, seed=5, lb=lb)
     ref, s_ref = kda_recurrent(q, k, v, g, beta)
     f32 = [x.float() for x in (q, k, v, g, beta)]
-    o_c, s_c = kda_core(*f32, 32, gate_bound=5.0, fused=True)
-    o_e, _ = kda_chunked(*f32, 32, gate_bound=5.0, fused=False)
+    o_c, s_c = kda_core(*f32, 32, gate_bound=5.0, cpp=True)
+    o_e, _ = kda_chunked(*f32, 32, gate_bound=5.0, cpp=False)
     err_c, err_e = (o_c.double() - ref).abs().max().item(), (o_e.double() - ref).abs().max().item()
     assert err_c < 1e-6 and err_c <= 2 * err_e, (err_c, err_e)
     torch.testing.assert_close(s_c.double(), s_ref, rtol=0, atol=1e-5)
@@ -464,7 +492,6 @@ def test_cpp_recurrent_core_fp32_error_over_a_long_sequence(lb):
 def test_cpp_recurrent_core_is_the_layers_default_and_matches_the_chunked_form():
     """With the ops built the layer runs the C++ recurrence; its output and gradients equal the eager chunked form's
     (the path without the C++ ops), and a cached prefill takes it too."""
-    from glm_lightning.model.kda_recurrent_cpp import KDARecurrentCpp
 
     layer = _layer(seed=3)
     x = torch.randn(2, 37, 32, requires_grad=True)
@@ -478,7 +505,7 @@ def test_cpp_recurrent_core_is_the_layers_default_and_matches_the_chunked_form()
             layer(x[:, :9], cache=KDACache.empty(2, _cfg()))
     assert len(calls) == 2
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cext, "takes", lambda *a, **kw: False)  # as without the C++ ops
+        mp.setattr(ops.backend, "takes", lambda *a, **kw: False)  # as without the C++ ops
         y_e = layer(x)[0]
         gx_e, = torch.autograd.grad(y_e.square().sum(), x)
     torch.testing.assert_close(y, y_e, rtol=0, atol=2e-6)
@@ -488,7 +515,7 @@ def test_cpp_recurrent_core_is_the_layers_default_and_matches_the_chunked_form()
 @CPP
 def test_cpp_recurrent_core_takes_broadcast_gradients_and_rejects_bad_sizes():
     q, k, v, g, beta, s0 = (x.requires_grad_() for x in _inputs(1, 13, 2, 16, 16, seed=9))
-    o, s = kda_core(q, k, v, g, beta, 16, s0, fused=True)
+    o, s = kda_core(q, k, v, g, beta, 16, s0, cpp=True)
     (o.sum() + s.sum()).backward()  # stride-0 gradients
     ref = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, s0)]
     o_r, s_r = kda_recurrent(*ref)
@@ -509,9 +536,8 @@ def test_cpp_recurrent_core_takes_broadcast_gradients_and_rejects_bad_sizes():
 @CPP
 @pytest.mark.parametrize("B,T,Ch,ks", [(2, 7, 5, 4), (2, 37, 144, 4), (1, 70, 576, 4), (2, 9, 20, 2)])
 def test_cpp_short_conv_equals_the_conv2d_path(B, T, Ch, ks, monkeypatch):
-    """ShortConvSiLU (csrc/short_conv.cpp) against the eager channels-last conv2d + SiLU of _short_conv: values and the
+    """ShortConvSiLU (csrc/short_conv.cpp) against the PyTorch channels-last conv2d + SiLU of ops.short_conv: values and the
     gradients of the input and the weight; fp64 gradcheck."""
-    from glm_lightning.model.kda_fused import ShortConvSiLU
 
     layer = KDAttention(_cfg(kda_conv_size=ks))
     gen = torch.Generator().manual_seed(T)
@@ -523,7 +549,7 @@ def test_cpp_short_conv_equals_the_conv2d_path(B, T, Ch, ks, monkeypatch):
     def run(use_cpp: bool):
         monkeypatch.setattr(cext, "available", lambda: use_cpp)
         xs = x.clone().requires_grad_()
-        y, _ = layer._short_conv(xs, None)
+        y, _ = ops.short_conv(xs, layer.conv.weight)
         return y.detach(), torch.autograd.grad((y * dy).sum(), [xs, layer.conv.weight])
 
     (y_c, g_c), (y_e, g_e) = run(True), run(False)
@@ -536,9 +562,8 @@ def test_cpp_short_conv_equals_the_conv2d_path(B, T, Ch, ks, monkeypatch):
 
 
 def test_decode_step_in_place_equals_recurrent_step():
-    """The decode fast path (_delta_step_, heads flattened into bmm batches) on strided slices of a fused q|k|v
+    """The decode step's PyTorch form (delta_step_, heads flattened into bmm batches) on strided slices of a fused q|k|v
     projection, as decoding passes them, equals one step of the reference recurrence, and writes S in place."""
-    from glm_lightning.model.kda import _delta_step_
     gen = torch.Generator().manual_seed(3)
     B, H, K = 3, 2, 4
     qkv = torch.randn(B, 1, 3, H, K, generator=gen)
@@ -548,7 +573,7 @@ def test_decode_step_in_place_equals_recurrent_step():
     s0 = torch.randn(B, H, K, K, generator=gen)
     o_ref, s_ref = kda_recurrent(q, k, v, g, beta, s0.clone())
     S = s0.clone()
-    o = _delta_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
+    o = pytorch_form(delta_step_, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
     torch.testing.assert_close(o, o_ref[:, 0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(S, s_ref, rtol=1e-5, atol=1e-6)
 
@@ -558,7 +583,6 @@ def test_decode_step_in_place_equals_recurrent_step():
 def test_fused_delta_step_equals_eager(K):
     """glm_lightning::delta_step_ (one pass per head, csrc/kda_decode.cpp) equals the eager bmm step: output and the
     state written in place, on strided q/k/v slices of one projection as decoding passes them."""
-    from glm_lightning.model.kda import _delta_step_
     gen = torch.Generator().manual_seed(7)
     B, H = 5, 3
     qkv = torch.randn(B, 3, H, K, generator=gen)
@@ -570,8 +594,8 @@ def test_fused_delta_step_equals_eager(K):
     s0 = torch.randn(B, H, K, K, generator=gen)
     S_e, S_f = s0.clone(), s0.clone()
     for _ in range(3):  # a few steps, so errors would compound
-        o_e = _delta_step_(q, k, v, g, beta, S_e, fused=False)
-        o_f = _delta_step_(q, k, v, g, beta, S_f, fused=True)
+        o_e = pytorch_form(delta_step_, q, k, v, g, beta, S_e)
+        o_f = delta_step_(q, k, v, g, beta, S_f)
         torch.testing.assert_close(o_f, o_e, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(S_f, S_e, rtol=1e-5, atol=1e-5)
     assert not torch.equal(S_f, s0)
@@ -581,17 +605,16 @@ def test_fused_delta_step_equals_eager(K):
 def test_fused_conv_step_equals_eager_and_the_conv():
     """glm_lightning::conv_step_ equals the eager step (cat, product, sum, SiLU, shift) and the layer's causal conv
     over the whole sequence, and shifts the new input into the buffer."""
-    from glm_lightning.model.kda import _conv_step_
     layer = _layer(seed=8)
     gen = torch.Generator().manual_seed(8)
     B, T, Ch, ks = 3, 6, layer.conv.weight.shape[0], layer.conv_size
     raw = torch.randn(B, T, Ch, generator=gen)
     with torch.no_grad():
-        full, _ = layer._short_conv(raw, None)
+        full, _ = ops.short_conv(raw, layer.conv.weight)
         st_e, st_f = torch.zeros(B, ks - 1, Ch), torch.zeros(B, ks - 1, Ch)
         for t in range(T):
-            y_e = _conv_step_(st_e, raw[:, t:t + 1], layer.conv.weight, fused=False)
-            y_f = _conv_step_(st_f, raw[:, t:t + 1], layer.conv.weight, fused=True)
+            y_e = pytorch_form(conv_step_, st_e, raw[:, t:t + 1], layer.conv.weight)
+            y_f = conv_step_(st_f, raw[:, t:t + 1], layer.conv.weight)
             torch.testing.assert_close(y_f, y_e, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(y_f[:, 0], full[:, t], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(st_f, st_e, rtol=0, atol=0)

@@ -1,4 +1,4 @@
-"""KDA's fused elementwise Functions (glm_lightning/model/kda_fused.py) against the eager formulas: values and every
+"""KDA's elementwise ops (glm_lightning/model/ops/kda_inputs.py, ops/norm.py) against their reference forms: values and every
 gradient within 1e-5 in fp32, gradcheck in fp64, and the clamped (near-zero) q/k branch."""
 
 from __future__ import annotations
@@ -8,7 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from glm_lightning.model import cext
-from glm_lightning.model.kda_fused import GatedHeadNorm, GatedHeadNormCpp, KDAFeatures, KDAFeaturesCpp
+from glm_lightning.model.ops import kda_inputs, norm, reference
+
+KDAFeatures, KDAFeaturesCpp = kda_inputs._KDAFeatures, kda_inputs._KDAFeaturesCpp
+GatedHeadNorm, GatedHeadNormCpp = norm._GatedHeadNorm, norm._GatedHeadNormCpp
 
 needs_cpp = pytest.mark.skipif(not cext.available(), reason="C++ ops disabled (GLM_LIGHTNING_EXT=0) or not buildable")
 FEATURES = [KDAFeatures, pytest.param(KDAFeaturesCpp, marks=needs_cpp)]
@@ -19,19 +22,6 @@ B, T, H, K, LB = 2, 5, 3, 4, -5.0
 
 def _rescale(dtype=torch.float32):
     return torch.tensor([K ** 0.5] * H + [1.0] * H, dtype=dtype).view(2 * H, 1)
-
-
-def _features_eager(y, f, b, A_log, rescale, lb):
-    qk = y[..., :2 * H * K].reshape(B, T, 2 * H, K)
-    q, k = (qk / (torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(1e-6) * rescale)).split(H, dim=2)
-    v = y[..., 2 * H * K:].reshape(B, T, H, K)
-    g = lb * torch.sigmoid(A_log.exp().view(H, 1) * f.view(B, T, H, K))
-    return q, k, v, g, torch.sigmoid(b)
-
-
-def _gated_norm_eager(o, gate, weight, eps):
-    rstd = torch.rsqrt(o.square().mean(-1, keepdim=True) + eps)
-    return (o * rstd * weight * torch.sigmoid(gate.view(B, T, H, K))).reshape(B, T, H * K)
 
 
 def _inputs(dtype, seed=0):
@@ -55,7 +45,7 @@ def _values_and_grads(fn, inputs, extra, seed=1):
 def test_features_equal_the_eager_formulas(fn):
     inputs, extra = _inputs(torch.float32), (_rescale(), LB)
     outs, grads = _values_and_grads(fn.apply, inputs, extra)
-    outs_ref, grads_ref = _values_and_grads(_features_eager, inputs, extra)
+    outs_ref, grads_ref = _values_and_grads(reference.kda_features, inputs, extra)
     for a, b in zip(outs, outs_ref):  # the eager Function runs the same ops forward; the C++ op rounds its own way
         tol = 0 if fn is KDAFeatures else 1e-6
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
@@ -72,7 +62,7 @@ def test_gated_head_norm_equals_the_eager_formula(fn):
     o = torch.randn(B, T, H, K, generator=gen)
     gate, weight = torch.randn(B, T, H * K, generator=gen), torch.randn(K, generator=gen)
     outs, grads = _values_and_grads(fn.apply, [o, gate, weight], (1e-5,))
-    outs_ref, grads_ref = _values_and_grads(_gated_norm_eager, [o, gate, weight], (1e-5,))
+    outs_ref, grads_ref = _values_and_grads(reference.gated_head_norm, [o, gate, weight], (1e-5,))
     torch.testing.assert_close(outs[0], outs_ref[0], rtol=1e-6, atol=1e-6)
     for name, a, b in zip(["o", "gate", "weight"], grads, grads_ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"grad {name}: {m}")

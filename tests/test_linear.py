@@ -1,4 +1,4 @@
-"""The hand-written-backward linear (glm_lightning/model/linear.py) equals F.linear: values and every gradient."""
+"""The hand-written-backward linear (glm_lightning/model/ops/matmul.py) equals F.linear: values and every gradient."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import glm_lightning.model.linear as linear_mod
+import glm_lightning.model.ops.matmul as linear_mod
 from glm_lightning.model import cext
-from glm_lightning.model.linear import linear
+from glm_lightning.model.ops import linear, thresholds
 
 needs_cext = pytest.mark.skipif(not cext.available(), reason="C++ ops not built")
 
@@ -50,7 +50,7 @@ def test_linear_gradcheck_fp64_and_frozen_parts():
 def test_no_grad_path_is_f_linear_bit_for_bit(shape, with_bias, contiguous, monkeypatch):
     """Without autograd linear calls mm/addmm itself (above SMALL_ROWS rows, forced here): the same values as
     F.linear, exactly."""
-    monkeypatch.setattr(linear_mod, "SMALL_ROWS", 0)
+    monkeypatch.setattr(thresholds, "SMALL_ROWS", 0)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(*shape[:-1], 2 * shape[-1], generator=gen)
     x = x[..., ::2] if not contiguous else x[..., : shape[-1]].contiguous()
@@ -71,13 +71,13 @@ def test_no_grad_few_rows_take_small_matmul(with_bias, size, monkeypatch):
     op sums a row in one order), which BLAS does not promise. One row more runs mm: F.linear exactly."""
     n_out, n_in = size
     gen = torch.Generator().manual_seed(2)
-    rows = linear_mod.SMALL_ROWS
+    rows = thresholds.SMALL_ROWS
     x = torch.randn(rows + 1, 2 * n_in, generator=gen)[:, ::2]  # strided rows, as a decode step's slices can be
     w = torch.randn(n_out, n_in, generator=gen) * n_in ** -0.5  # outputs of order 1, as in the model
     b = torch.randn(n_out, generator=gen) if with_bias else None
     calls = []
     real = torch.ops.glm_lightning.small_matmul
-    monkeypatch.setattr(linear_mod, "_small_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a),
+    monkeypatch.setattr(linear_mod, "small_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a),
                         raising=True)
     with torch.no_grad():
         y = linear(x[:rows], w, b)

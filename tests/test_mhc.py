@@ -2,9 +2,22 @@ import pytest
 import torch
 from torch import nn
 
-from glm_lightning.model.mhc import (HyperConnection, StreamWrite, collapse_streams, expand_streams, read_streams,
-                                    sinkhorn_knopp)
+from glm_lightning.model import ops
+from glm_lightning.model.mhc import HyperConnection, collapse_streams, expand_streams
 from glm_lightning.model.norm import RMSNorm
+from glm_lightning.model.ops import mhc as mhc_ops
+from glm_lightning.model.ops.reference import sinkhorn_knopp as sinkhorn_reference
+from glm_lightning.model.ops.reference import stream_read as read_streams
+
+StreamWrite = mhc_ops._StreamWrite
+
+
+def sinkhorn_knopp(logits, iters=20, eps=1e-6, fused=None):
+    """The Sinkhorn op as the ops layer picks it (fused None), or forced to its C++ (True) or PyTorch (False) form."""
+    if fused is None:
+        return mhc_ops.sinkhorn(logits, iters, eps)
+    flat = logits.reshape(-1, *logits.shape[-2:])
+    return (mhc_ops._SinkhornCpp if fused else mhc_ops._Sinkhorn).apply(flat, iters, eps).view(logits.shape)
 
 
 def test_sinkhorn_doubly_stochastic():
@@ -40,12 +53,12 @@ def test_identity_mappings_reduce_to_residual():
     torch.manual_seed(0)
     n, c = 4, 8
     site = HyperConnection(n=n, dim=c)
-    site.mappings = lambda x: (torch.full(x.shape[:-1], 1.0 / n), torch.ones(x.shape[:-1]),
-                               torch.eye(n).expand(*x.shape[:-2], n, n))
-    site._fused_read = lambda x: False  # the fused read computes its own mappings; this test sets them
     f = nn.Linear(c, c)
     x = torch.randn(2, 3, c)
-    out = site(expand_streams(x, n), f)
+    streams = expand_streams(x, n)
+    pre, post, res = (torch.full(streams.shape[:-1], 1.0 / n), torch.ones(streams.shape[:-1]),
+                      torch.eye(n).expand(*streams.shape[:-2], n, n))
+    out = site.write(streams, (post, res), f(ops.stream_read(pre, streams)))
     assert torch.allclose(out, (x + f(x)).unsqueeze(-2).expand(2, 3, n, c), atol=1e-6)
 
 
@@ -85,17 +98,7 @@ def test_site_is_causal():
     assert torch.equal(site(x, torch.tanh)[:, :6], site(y, torch.tanh)[:, :6])
 
 
-def _sinkhorn_reference(logits, iters=20, eps=1e-6):
-    """The textbook form on the natural [..., n, n] layout (row softmax, then column/row rounds)."""
-    m = torch.softmax(logits.double(), dim=-1) + eps
-    m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (m.sum(dim=-1, keepdim=True) + eps)
-        m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    return m
-
-
-# fused=False: the eager autograd Function; None: the default path (the C++ op when it is built, see cext.py)
+# fused=False: the PyTorch twin with its hand-written backward; None: the op as the ops layer picks it
 BOTH_PATHS = pytest.mark.parametrize("fused", [False, None], ids=["eager", "default"])
 
 
@@ -105,7 +108,7 @@ def test_sinkhorn_entries_major_layout_equals_reference(fused):
     logits = torch.randn(3, 5, 4, 4) * 3
     out = sinkhorn_knopp(logits, fused=fused)
     assert out.is_contiguous() and out.shape == logits.shape
-    torch.testing.assert_close(out.double(), _sinkhorn_reference(logits), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out.double(), sinkhorn_reference(logits.double()), atol=1e-6, rtol=1e-5)
 
 
 def test_stream_write_matches_autograd_of_the_plain_formula():
@@ -119,16 +122,6 @@ def test_stream_write_matches_autograd_of_the_plain_formula():
     torch.testing.assert_close(StreamWrite.apply(*args), plain)
     h = read_streams(post, x)
     torch.testing.assert_close(h, torch.einsum("btn,btnc->btc", post, x))
-
-
-def _sinkhorn_autograd(logits, iters=20, eps=1e-6):
-    """The same iterations on the natural layout, differentiated by autograd (the naive reference)."""
-    m = torch.softmax(logits, dim=-1) + eps
-    m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        m = m / (m.sum(dim=-1, keepdim=True) + eps)
-        m = m / (m.sum(dim=-2, keepdim=True) + eps)
-    return m
 
 
 @BOTH_PATHS
@@ -145,7 +138,7 @@ def test_sinkhorn_backward_equals_autograd_of_the_iterations_fp32(fused):
     weight = torch.randn(6, 7, 4, 4)
     a = logits.clone().requires_grad_()
     b = logits.clone().requires_grad_()
-    out_a, out_b = sinkhorn_knopp(a, fused=fused), _sinkhorn_autograd(b)
+    out_a, out_b = sinkhorn_knopp(a, fused=fused), sinkhorn_reference(b)
     torch.testing.assert_close(out_a, out_b, atol=1e-6, rtol=1e-5)
     (out_a * weight).sum().backward()
     (out_b * weight).sum().backward()

@@ -6,8 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from glm_lightning.model import cext
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.moe import MoE
+from glm_lightning.model.ops import moe as moe_mod
+from glm_lightning.model.ops import reference, thresholds
 
 
 def small_cfg(**kw) -> GLMConfig:
@@ -22,41 +25,22 @@ def make(seed: int = 0, **kw) -> MoE:
     return MoE(small_cfg(**kw))
 
 
-def swiglu(x, w_gate_up, w_down):
-    h = w_down.shape[1]
-    a = w_gate_up @ x
-    return w_down @ (F.silu(a[:h]) * a[h:])
-
-
 def naive_forward(m: MoE, x: torch.Tensor) -> torch.Tensor:
-    """Token-by-token reference written from the formulas (independent of the module's routing code)."""
+    """The layer from the package's reference forms: route, experts token by token, shared expert."""
     B, T, d = x.shape
-    rows = []
-    for xt in x.reshape(B * T, d):
-        s = torch.sigmoid(m.router_weight @ xt)
-        idx = torch.topk(s + m.expert_bias, m.top_k).indices
-        w = s[idx]
-        if m.top_k > 1:
-            w = w / w.sum()
-        w = w * m.routed_scaling
-        y = sum(w[k] * swiglu(xt, m.w_gate_up[e], m.w_down[e]) for k, e in enumerate(idx.tolist()))
-        if m.shared_gate_up is not None:
-            y = y + swiglu(xt, m.shared_gate_up, m.shared_down)
-        rows.append(y)
-    return torch.stack(rows).view(B, T, d)
+    xf = x.reshape(B * T, d)
+    idx, w = reference.moe_route(torch.sigmoid(xf @ m.router_weight.T), m.expert_bias, m.top_k, m.routed_scaling)
+    y = reference.moe_experts(xf, idx, w, m.w_gate_up, m.w_down)
+    if m.shared_gate_up is not None:
+        y = y + reference.swiglu(xf, m.shared_gate_up, m.shared_down)
+    return y.view(B, T, d)
 
 
 def naive_balance_loss(m: MoE, x: torch.Tensor) -> torch.Tensor:
     B, T, _ = x.shape
-    E, K = m.n_experts, m.top_k
-    losses = []
-    for b in range(B):
-        s = torch.sigmoid(x[b] @ m.router_weight.T)  # [T, E]
-        idx = torch.topk(s + m.expert_bias, K, dim=-1).indices
-        f = torch.tensor([float((idx == i).sum()) for i in range(E)]) * E / (K * T)
-        p = (s / s.sum(-1, keepdim=True)).mean(0)
-        losses.append((f * p).sum())
-    return m.balance_loss_weight * torch.stack(losses).mean()
+    s = torch.sigmoid(x @ m.router_weight.T)
+    idx, _ = reference.moe_route(s, m.expert_bias, m.top_k, m.routed_scaling)
+    return reference.moe_balance_loss(s, idx, m.n_experts, m.balance_loss_weight)
 
 
 def grads(m: MoE, x: torch.Tensor, loss: torch.Tensor) -> list[torch.Tensor]:
@@ -245,14 +229,12 @@ def test_parameter_count(shared):
 
 def out_and_grads(m: MoE, x: torch.Tensor, proj: torch.Tensor, monkeypatch, use_cpp: bool):
     """The layer's output and every gradient with the C++ ops on or off (cext.available patched)."""
-    import glm_lightning.model.cext as cext
     monkeypatch.setattr(cext, "available", lambda: use_cpp)
     y, aux = m(x)
     return y.detach(), grads(m, x, (y * proj).sum() + aux)
 
 
-needs_cext = pytest.mark.skipif(not __import__("glm_lightning.model.cext", fromlist=["available"]).available(),
-                                reason="C++ ops not available")
+needs_cext = pytest.mark.skipif(not cext.available(), reason="C++ ops not available")
 
 
 @needs_cext
@@ -300,7 +282,6 @@ def test_small_matmul_lane_sums_agree_between_its_blocks():
 def test_decode_experts_equal_the_grouped_gemm(tokens, monkeypatch):
     """Without autograd, calls of <= SMALL_TOKENS tokens take the small_matmul path; it equals the grouped-GEMM path
     (forced by SMALL_TOKENS = 0) and the per-token reference; larger calls keep the grouped GEMM."""
-    import glm_lightning.model.moe as moe_mod
     m = make(seed=3, d_model=32, expert_hidden=24)
     m.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, -5.0]))  # an expert with no tokens
     x = torch.randn(1, tokens, 32)
@@ -309,8 +290,8 @@ def test_decode_experts_equal_the_grouped_gemm(tokens, monkeypatch):
     monkeypatch.setattr(moe_mod, "_experts_small", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
         y_small = m(x, want_aux=False)[0]
-        assert bool(calls) == (tokens <= moe_mod.SMALL_TOKENS)
-        monkeypatch.setattr(moe_mod, "SMALL_TOKENS", 0)
+        assert bool(calls) == (tokens <= thresholds.SMALL_TOKENS)
+        monkeypatch.setattr(thresholds, "SMALL_TOKENS", 0)
         y_grouped = m(x, want_aux=False)[0]
     torch.testing.assert_close(y_small, y_grouped, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(y_small, naive_forward(m, x), rtol=1e-5, atol=1e-5)
@@ -321,7 +302,6 @@ def test_segment_experts_equal_the_padded_batch_with_gradients(shared, monkeypat
     """Large calls with unequal loads run each expert on its own segment (no padding, _SegmentExperts): values and
     every gradient equal the padded grouped GEMM (forced by SEGMENT_TOKENS above the call) and the per-token
     reference; an expert without tokens gets an exactly zero gradient."""
-    import glm_lightning.model.moe as moe_mod
     m = make(seed=4, shared_expert_hidden=shared)
     m.expert_bias.copy_(torch.tensor([0.4, 0.0, -0.1, -5.0]))  # unequal loads and an empty expert
     x = torch.randn(2, 9, 16, requires_grad=True)
@@ -329,12 +309,12 @@ def test_segment_experts_equal_the_padded_batch_with_gradients(shared, monkeypat
     calls = []
     real = moe_mod._SegmentExperts.apply
     monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(moe_mod, "SEGMENT_TOKENS", 18)
-    monkeypatch.setattr(moe_mod, "SEGMENT_PADDING", 1.0)
+    monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 18)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.0)
     y, aux = m(x)
     g = grads(m, x, (y * proj).sum() + aux)
     assert calls
-    monkeypatch.setattr(moe_mod, "SEGMENT_TOKENS", 19)
+    monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 19)
     y_pad, aux_pad = m(x)
     g_pad = grads(m, x, (y_pad * proj).sum() + aux_pad)
     assert len(calls) == 1
@@ -350,7 +330,7 @@ def test_segment_experts_equal_the_padded_batch_with_gradients(shared, monkeypat
 
 
 def test_segment_experts_gradcheck():
-    from glm_lightning.model.moe import _SegmentExperts
+    _SegmentExperts = moe_mod._SegmentExperts
     gen = torch.Generator().manual_seed(5)
     N, K, E, d, h = 5, 2, 3, 4, 3
     x = torch.randn(N, d, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -367,9 +347,8 @@ def test_segment_experts_gradcheck():
 
 def test_segment_experts_only_for_unequal_loads(monkeypatch):
     """Balanced loads keep the padded batch (fewer dispatched ops); a skewed router switches to the segments."""
-    import glm_lightning.model.moe as moe_mod
     m = make(seed=6)
-    monkeypatch.setattr(moe_mod, "SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 64)
     calls = []
     real = moe_mod._SegmentExperts.apply
     monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
@@ -377,7 +356,7 @@ def test_segment_experts_only_for_unequal_loads(monkeypatch):
     m.expert_bias.copy_(torch.tensor([0.0, -0.02, 0.01, 0.02]))
     with torch.no_grad():
         loads = torch.bincount(m.route(x.view(400, 16))[1].flatten(), minlength=4)
-        assert 4 * int(loads.max()) < moe_mod.SEGMENT_PADDING * 800
+        assert 4 * int(loads.max()) < thresholds.SEGMENT_PADDING * 800
         m(x)
         assert not calls
         m.expert_bias.copy_(torch.tensor([3.0, 0.0, 0.0, -5.0]))  # expert 0 always chosen: load 400 of 800
@@ -391,8 +370,6 @@ def test_cpp_swiglu_equals_the_eager_activation(shared, monkeypatch):
     """csrc/swiglu.cpp (the experts' and the shared expert's SiLU(gate) * up, forward and backward in one pass each)
     against the eager activation: the layer's output and every gradient; the ops alone on odd shapes (incl. large
     |gate|) and fp64 gradcheck of the shared expert's Function."""
-    import glm_lightning.model.cext as cext
-    import glm_lightning.model.moe as moe_mod
     m = make(seed=6, shared_expert_hidden=shared)
     x = torch.randn(2, 9, 16, requires_grad=True)
     proj = torch.randn(2, 9, 16)
@@ -421,8 +398,6 @@ def test_cpp_row_moves_equal_the_eager_forms(shared, monkeypatch):
     """csrc/moe_rows.cpp (the grouped GEMM's scatter into the padded batch, gated combine, gate gradient and dx) against
     the eager forms of the same helpers: the layer's output and every gradient, with an empty expert; fp64 gradcheck of
     _GroupedExperts on both paths; a slot out of range is an error, not a write."""
-    import glm_lightning.model.cext as cext
-    import glm_lightning.model.moe as moe_mod
     m = make(seed=8, shared_expert_hidden=shared)
     m.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.0, -5.0]))  # expert 3 never chosen
     x = torch.randn(2, 9, 16, requires_grad=True)
@@ -463,10 +438,10 @@ def test_cpp_row_moves_equal_the_eager_forms(shared, monkeypatch):
 @needs_cext
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_cpp_routing_equals_the_eager_route_balance_loss_and_rows(top_k):
-    """csrc/moe_route.cpp (_Routing) against the eager _select, _balance_loss and _assignment_rows from the same
+    """csrc/moe_route.cpp (_Routing) against the reference route and balance loss and assignment_rows from the same
     scores, 3 sequences: the same choices (as sets), gates (bit for bit at top-2), counts and rows, the balance loss,
     and the scores' gradient through gates and loss; fp64 gradcheck; ties go to the lower expert."""
-    from glm_lightning.model.moe import _Routing
+    _Routing = moe_mod._Routing
 
     m = make(seed=11, moe_top_k=top_k)
     m.expert_bias.copy_(torch.tensor([0.2, -0.1, 0.0, 0.05]))
@@ -474,8 +449,8 @@ def test_cpp_routing_equals_the_eager_route_balance_loss_and_rows(top_k):
     s = torch.sigmoid(torch.randn(B * T, E, generator=torch.Generator().manual_seed(12))).requires_grad_()
     w, aux, idx, counts, pos, slot = _Routing.apply(s, m.expert_bias, top_k, m.routed_scaling, B,
                                                     m.balance_loss_weight)
-    idx_e, w_e = m._select(s)
-    aux_e = m._balance_loss(s.view(B, T, E), idx_e.view(B, T, top_k))
+    idx_e, w_e = reference.moe_route(s, m.expert_bias, top_k, m.routed_scaling)
+    aux_e = reference.moe_balance_loss(s.view(B, T, E), idx_e.view(B, T, top_k), E, m.balance_loss_weight)
     order, order_e = idx.sort(-1), idx_e.sort(-1)
     assert torch.equal(order.values, order_e.values)
     w_sorted, w_e_sorted = w.gather(-1, order.indices), w_e.gather(-1, order_e.indices)
@@ -483,7 +458,7 @@ def test_cpp_routing_equals_the_eager_route_balance_loss_and_rows(top_k):
         assert torch.equal(w_sorted, w_e_sorted)
     torch.testing.assert_close(w_sorted, w_e_sorted, rtol=1e-6, atol=0)
     assert torch.equal(counts, torch.bincount(idx_e.reshape(-1), minlength=E))
-    pos_e, slot_e = m._assignment_rows(idx, counts.tolist())  # the eager rows of the op's own choice order
+    pos_e, slot_e = moe_mod.assignment_rows(idx, counts.tolist())  # the eager rows of the op's own choice order
     assert torch.equal(pos, pos_e) and torch.equal(slot, slot_e)
     torch.testing.assert_close(aux, aux_e, rtol=1e-5, atol=0)
     proj = torch.randn(B * T, top_k, generator=torch.Generator().manual_seed(13))

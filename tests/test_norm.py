@@ -1,13 +1,8 @@
 import torch
 import torch.nn.functional as F
 
-from glm_lightning.model.norm import RMSNorm, rms_norm
-
-
-def _plain(x, w, eps):
-    """The formula, differentiated by autograd (the naive reference)."""
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y if w is None else y * w
+from glm_lightning.model.norm import RMSNorm
+from glm_lightning.model.ops import reference, rms_norm
 
 
 def test_fused_rms_norm_gradcheck_float64():
@@ -26,7 +21,7 @@ def test_fused_rms_norm_equals_formula_fp32_forward_and_backward():
     x = torch.randn(4, 7, 16)
     a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
     w_ref = norm.weight.detach().clone().requires_grad_()
-    out, ref = norm(a), _plain(b, w_ref, 1e-5)
+    out, ref = norm(a), reference.rms_norm(b, w_ref, 1e-5)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(out, F.rms_norm(x, (16,), norm.weight, 1e-5), atol=1e-6, rtol=1e-5)
     g = torch.randn_like(out)
@@ -41,13 +36,13 @@ def test_rms_norm_non_contiguous_input_and_frozen_weight():
     x = torch.randn(5, 8, 3).transpose(1, 2).requires_grad_()  # [5, 3, 8] strided
     w = torch.randn(8)
     out = rms_norm(x, w, 1e-6)
-    torch.testing.assert_close(out, _plain(x.detach(), w, 1e-6), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, reference.rms_norm(x.detach(), w, 1e-6), atol=1e-6, rtol=1e-5)
     out.sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
 
 
 def test_cpp_and_eager_norms_equal_the_formula_over_many_rows(monkeypatch):
-    """The C++ rms_norm (csrc/rms_norm.cpp) and the eager _FusedRMSNorm, both against the formula, on 300 rows (five
+    """The C++ rms_norm (csrc/rms_norm.cpp) and the PyTorch _RMSNorm, both against the reference form, on 300 rows (five
     of the op's 64-row blocks, the last partial); the C++ weight gradient is the same bit for bit at 1 and 2 threads
     (fixed blocks, summed in order)."""
     import pytest
@@ -59,7 +54,7 @@ def test_cpp_and_eager_norms_equal_the_formula_over_many_rows(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     x, w, g = torch.randn(3, 100, 48, generator=gen), torch.randn(48, generator=gen), torch.randn(3, 100, 48, generator=gen)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    ref = _plain(xr, wr, 1e-5)
+    ref = reference.rms_norm(xr, wr, 1e-5)
     ref_grads = torch.autograd.grad(ref, (xr, wr), g)
     results = []
     for use_cpp, threads in ((False, 1), (True, 1), (True, 2)):

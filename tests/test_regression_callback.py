@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from callbacks.regression import RegressionCallback, compare_families, markdown_report
-from glm_lightning.stats import holm, mcnemar_exact
+from callbacks.regression import RegressionCallback, markdown_report
+from glm_lightning.stats import compare_families, holm, mcnemar_exact
 
 
 def outcomes(greedy, sampled=None):

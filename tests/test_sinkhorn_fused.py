@@ -1,4 +1,4 @@
-"""The C++ Sinkhorn ops (glm_lightning/model/csrc/sinkhorn.cpp) against the eager autograd Function: forward and
+"""The C++ mHC ops (glm_lightning/model/csrc/sinkhorn.cpp, streams.cpp, site_read.cpp) against their PyTorch forms: forward and
 gradients within 1e-5 in fp32, gradcheck in fp64, and a whole training step of the model with and without them."""
 
 import pytest
@@ -6,7 +6,16 @@ import torch
 import torch.nn.functional as F
 
 from glm_lightning.model import GLMConfig, GLMModel, cext
-from glm_lightning.model.mhc import sinkhorn_knopp
+from glm_lightning.model.ops import mhc as mhc_ops
+from glm_lightning.model.ops.reference import stream_read as read_streams
+
+
+def sinkhorn_knopp(logits, iters=20, eps=1e-6, fused=None):
+    """The Sinkhorn op as the ops layer picks it (fused None), or forced to its C++ (True) or PyTorch (False) form."""
+    if fused is None:
+        return mhc_ops.sinkhorn(logits, iters, eps)
+    flat = logits.reshape(-1, *logits.shape[-2:])
+    return (mhc_ops._SinkhornCpp if fused else mhc_ops._Sinkhorn).apply(flat, iters, eps).view(logits.shape)
 
 pytestmark = pytest.mark.skipif(not cext.available(), reason="C++ ops disabled (GLM_LIGHTNING_EXT=0) or not buildable")
 
@@ -84,8 +93,7 @@ def test_disabled_by_environment(monkeypatch):
 @pytest.mark.parametrize("n", [2, 4])
 def test_stream_ops_equal_the_eager_forms_and_gradcheck(n):
     """csrc/streams.cpp: the read h = sum_i pre_i x_i and the write res x + post^T y against mhc.py's eager forms."""
-    from glm_lightning.model.mhc import StreamReadFused, StreamWrite, StreamWriteFused, read_streams
-
+    StreamReadFused, StreamWrite, StreamWriteFused = mhc_ops._StreamReadCpp, mhc_ops._StreamWrite, mhc_ops._StreamWriteCpp
     torch.manual_seed(n)
     shapes = ((2, 5, n, n), (2, 5, n, 7), (2, 5, n), (2, 5, 7))
     args = [torch.randn(s, requires_grad=True) for s in shapes]
@@ -137,8 +145,8 @@ def test_fused_site_read_equals_the_eager_mappings_and_read(n, dim, monkeypatch)
     xd = torch.randn(3, n, dim, dtype=torch.float64, requires_grad=True)
 
     def f(xx, phi, alpha, bias):
-        from glm_lightning.model.mhc import SiteReadFused
-        return SiteReadFused.apply(xx, phi, alpha, bias, site)
+        return mhc_ops._SiteReadCpp.apply(xx, phi, alpha, bias, site._alpha_index, site._gate_scale, site._gate_shift,
+                                          site.norm_eps, site.iters, site.eps)
 
     args = (xd, site.phi.detach().clone().requires_grad_(), site.alpha.detach().clone().requires_grad_(),
             site.bias.detach().clone().requires_grad_())
@@ -162,15 +170,13 @@ def test_fused_every_compiled_stream_count_and_the_saved_softmax(n):
 
 
 def test_more_streams_than_the_ops_take_run_the_eager_paths():
-    """9 streams: Sinkhorn falls back to the eager form (and refuses an explicit fused=True); a 7-stream site (past the
+    """9 streams: Sinkhorn falls back to the PyTorch form; a 7-stream site (past the
     C++ site read's 6) reads through the eager mappings, and a 9-stream site (past the C++ stream ops' 8) reads and
     writes through the eager forms, forward and backward, instead of failing."""
     from glm_lightning.model.mhc import HyperConnection
 
     logits = torch.randn(3, 9, 9)
     torch.testing.assert_close(sinkhorn_knopp(logits), sinkhorn_knopp(logits, fused=False))
-    with pytest.raises(ValueError, match="at most 8 streams"):
-        sinkhorn_knopp(logits, fused=True)
     with pytest.raises(RuntimeError, match="1 to 8 streams"):
         torch.ops.glm_lightning.sinkhorn(logits, 20, 1e-6)
     for n in (7, 9):

@@ -2,7 +2,7 @@ import os
 
 import torch
 
-from glm_lightning.model import threads
+from glm_lightning import threads
 
 
 def test_idle_cores_decide(monkeypatch):

@@ -1,4 +1,5 @@
-"""ModelCache: the decoding state of the whole model (one entry per layer plus the shared position counter).
+"""The decoding caches: one per layer (:class:`KDACache`, :class:`DSACache`) and the model's (:class:`ModelCache`, the
+layers' caches plus the shared position counter).
 
 KDA layers hold a constant-size recurrent state and the short-conv buffer; DSA layers hold preallocated K/V and
 indexer-key buffers. mHC, MoE and norms are stateless, so nothing else needs caching.
@@ -9,9 +10,132 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
-from glm_lightning.model.dsa import DSACache
-from glm_lightning.model.kda import KDACache
+from glm_lightning.model.config import GLMConfig
+
+
+@dataclass
+class KDACache:
+    """Decode state of one KDA layer.
+
+    ``conv_state [B, ks-1, 3*H*K]``: the last ks-1 raw (pre-conv) q|k|v projections (channel order q, k, v), time
+    before channels, so that decoding appends the new projection with one contiguous ``cat`` (the channel-major layout
+    made that cat and the conv's product strided).
+    ``state [B, H, K, V]``: the fp32 recurrent state.
+    """
+
+    conv_state: Tensor
+    state: Tensor
+    in_weights: tuple[Tensor, Tensor] | None = None
+    """The layer's fused input projections for this decode (built on first use). They live with the cache, not the
+    layer, because weights cannot change during one generation but do between generations, and an optimizer that
+    writes in place need not bump the version counter (fused AdamW does not), so no cache key on the layer is safe."""
+
+    @classmethod
+    def empty(cls, batch: int, cfg: GLMConfig, device: torch.device | str | None = None) -> KDACache:
+        H, K = cfg.n_heads, cfg.head_dim
+        return cls(
+            conv_state=torch.zeros(batch, cfg.kda_conv_size - 1, 3 * H * K, device=device),
+            state=torch.zeros(batch, H, K, K, device=device, dtype=torch.float32),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.state.shape[0]
+
+    def repeat_interleave(self, n: int) -> KDACache:
+        """Each row replicated n times along the batch (row i -> rows i*n .. i*n+n-1)."""
+        return KDACache(self.conv_state.repeat_interleave(n, dim=0), self.state.repeat_interleave(n, dim=0),
+                        self.in_weights)
+
+    def index_select(self, rows: Tensor) -> KDACache:
+        """The cache of the given batch rows (a copy)."""
+        rows = rows.to(self.state.device)
+        return KDACache(self.conv_state.index_select(0, rows), self.state.index_select(0, rows), self.in_weights)
+
+    def writable(self) -> bool:
+        """Whether the buffers may be updated in place here (inference tensors only inside inference mode)."""
+        return torch.is_inference_mode_enabled() or not (self.state.is_inference() or self.conv_state.is_inference())
+
+    def update(self, conv_state: Tensor, state: Tensor) -> None:
+        """Take a prefill's last raw projections [B, ks-1, 3HK] and final state: copied in place, or rebound when
+        autograd records them (or the buffers are inference tensors outside inference mode)."""
+        state = state if state.dtype == torch.float32 else state.float()
+        if state.requires_grad or conv_state.requires_grad or not self.writable():
+            self.conv_state, self.state = conv_state.contiguous(), state
+        else:
+            self.conv_state.copy_(conv_state)
+            self.state.copy_(state)
+
+
+@dataclass
+class DSACache:
+    """Preallocated per-layer DSA decoding state (no ``torch.cat`` growth).
+
+    ``k``, ``v``: ``[B, H_kv, max_seq_len, D]``; ``index_k``: the separate indexer keys ``[B, max_seq_len, D_I]``;
+    ``key_valid``: ``[B, max_seq_len]`` (False = padding); ``length``: positions ``[0, length)`` are filled.
+    Create it under the same grad mode it is used in (e.g. inside ``torch.inference_mode()`` for rollouts).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    index_k: torch.Tensor
+    key_valid: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def empty(cls, batch: int, cfg: GLMConfig, device: torch.device | str | None = None,
+              dtype: torch.dtype = torch.float32) -> DSACache:
+        """Zeroed buffers for ``batch`` rows and ``cfg.max_seq_len`` positions, length 0."""
+        n = cfg.max_seq_len
+        return cls(
+            k=torch.zeros(batch, cfg.n_kv_heads, n, cfg.head_dim, device=device, dtype=dtype),
+            v=torch.zeros(batch, cfg.n_kv_heads, n, cfg.head_dim, device=device, dtype=dtype),
+            index_k=torch.zeros(batch, n, cfg.index_head_dim, device=device, dtype=dtype),
+            key_valid=torch.zeros(batch, n, device=device, dtype=torch.bool),
+            length=0,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k.shape[2]
+
+    def repeat_interleave(self, n: int) -> DSACache:
+        """A new cache with every row repeated ``n`` times consecutively (row b -> rows b*n .. b*n+n-1)."""
+        return DSACache(self.k.repeat_interleave(n, 0), self.v.repeat_interleave(n, 0),
+                        self.index_k.repeat_interleave(n, 0), self.key_valid.repeat_interleave(n, 0), self.length)
+
+    def index_select(self, rows: torch.Tensor | list[int]) -> DSACache:
+        """A new cache holding only ``rows`` (in that order), e.g. to drop finished samples."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.k.device)
+        return DSACache(self.k.index_select(0, rows), self.v.index_select(0, rows),
+                        self.index_k.index_select(0, rows), self.key_valid.index_select(0, rows), self.length)
+
+    def check_append(self, batch: int, n_new: int) -> None:
+        """Raise ``ValueError`` if ``n_new`` tokens for ``batch`` rows do not fit."""
+        if batch != self.batch_size:
+            raise ValueError(f"DSACache holds {self.batch_size} rows but the input has {batch}")
+        if self.length + n_new > self.max_seq_len:
+            raise ValueError(f"DSACache overflow: {self.length} cached + {n_new} new tokens > max_seq_len "
+                             f"{self.max_seq_len}")
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor, valid: torch.Tensor | None) -> int:
+        """Write ``T`` new positions at ``[length, length + T)`` and advance ``length``; returns the new length."""
+        n_new = k.shape[2]
+        self.check_append(k.shape[0], n_new)
+        start, end = self.length, self.length + n_new
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.index_k[:, start:end] = index_k
+        self.key_valid[:, start:end] = True if valid is None else valid
+        self.length = end
+        return end
+
 
 LayerCache = KDACache | DSACache
 

@@ -1,29 +1,21 @@
-"""The optional C++ ops of the model (csrc/*.cpp), built with g++ into a cached shared library and loaded with
-`torch.ops.load_library`; every caller keeps its eager path as the fallback.
+"""The optional C++ library of the model's ops (csrc/*.cpp): built with g++ into a cached shared library and loaded
+with `torch.ops.load_library`, once per process. The ops layer (glm_lightning/model/ops/) decides per call whether a
+C++ op takes the tensors (ops/backend.py); its PyTorch forms run otherwise.
 
-Why: the study model is bound by dispatch overhead (~15 us per ATen op). As eager PyTorch an mHC site's Sinkhorn
-issues ~270 ops (20 iterations), its stream read/write ~70 and the KDA chunk hand-off ~10 per chunk; as C++ ops each
-is one op forward and one backward. Decoding adds ops that stream memory once instead of several times or replace
-runs of tiny ops: the KDA decode step (short conv and delta rule, in place on the cache, and the step's core from the
-conv to the gated norm as one call), x @ W^T for a few rows (BLAS repacks the whole weight per call), and DSA's decode
-step (indexer scores, top-k key mask, single-query attention; csrc/decode_attention.cpp). Training adds two that keep a whole computation in cache instead of writing many
-intermediate tensors: KDA's core as the per-token recurrence (each head's state in registers, csrc/kda_recurrent.cpp)
-and an mHC site's read (norm, projection, gates and read in one pass over the streams, csrc/site_read.cpp); KDA's
-short conv + SiLU, its features (q/k norms, gates) and gated output norm, every RMSNorm, the experts' SwiGLU, the MoE
-routing (selection, gates, balance loss, assignment rows) and the grouped experts' row moves are one pass each way too
-(csrc/short_conv.cpp, csrc/kda_pointwise.cpp, csrc/rms_norm.cpp, csrc/swiglu.cpp, csrc/moe_route.cpp,
-csrc/moe_rows.cpp). No ninja and no pybind: g++ compiles a few translation units, each including several
+Why: the study model is bound by dispatch overhead (~15 us per ATen op), and a decode step by memory streams and runs
+of tiny ops; a C++ op is one dispatched op forward and one backward for what eager PyTorch issues as tens or hundreds
+(ops/*.py say how many, per op). No ninja and no pybind: g++ compiles a few translation units, each including several
 sources (torch's headers are parsed once per unit), one per core up to MAX_JOBS, in parallel, and links them; the ops
 register through TORCH_LIBRARY (schema `glm_lightning::...`).
 
     GLM_LIGHTNING_EXT=auto (default)  build at first use (~2 min of CPU, ~1 min wall on 2 cores; once per
                                       source/torch version) and use it
-    GLM_LIGHTNING_EXT=0               never build or load it: the eager paths only
+    GLM_LIGHTNING_EXT=0               never build or load it: the PyTorch forms only
     make ext                          build now and print the library path and the build time
 
 The library is cached under $GLM_LIGHTNING_CACHE (default ~/.cache/glm_lightning)/ext, keyed by a hash of the sources,
 the torch version, the compiler flags and the CPU model (it is built with -march=native). If g++ is missing or the
-build fails, a warning is printed once and the eager paths run.
+build fails, a warning is printed once and the PyTorch forms run.
 """
 
 from __future__ import annotations
@@ -33,6 +25,7 @@ import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,8 +42,10 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp
                                                                 "decode_attention.cpp"))
 HEADERS = (Path(__file__).parent / "csrc" / "kernel_helpers.h",)
 """Included by the sources: hashed with them, so that a change rebuilds the library."""
-BUILD_TIMEOUT_S = 600
-"""Upper bound of one build (~2 min of g++ CPU time on the 2-core dev machine, about 1 min of wall time there)."""
+BUILD_TIMEOUT_S = 2400
+"""Upper bound of one build's wall time: ~2 min of g++ CPU time on the 2-core dev machine (about 1 min of wall time
+when it is idle), but a unit took over 15 min of wall time there while four other builds and test runs shared the two
+cores (600 s killed it)."""
 COMPILE_S = {"sinkhorn.cpp": 47.0, "kda_recurrent.cpp": 42.0}
 """Seconds of g++ per source beyond torch's headers (~6 s), measured one file at a time on the dev machine; the other
 sources take 1-2 s (`DEFAULT_COMPILE_S`). Used only to balance the parallel build's translation units."""
@@ -102,6 +97,14 @@ def _groups(sources: tuple[Path, ...], jobs: int) -> list[list[Path]]:
     return [sorted(unit, key=order.__getitem__) for unit in units if unit]
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill a compiler started in its own session: g++ and the cc1plus it runs."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, AttributeError):  # already gone, or no process groups (not POSIX)
+        proc.kill()
+
+
 def _compile(cxx: str, sources: tuple[Path, ...], out: Path, jobs: int) -> None:
     """Compile the sources as `jobs` translation units in parallel (each includes its sources: one parse of the
     headers per unit) and link them into `out`. Raises RuntimeError with g++'s message on failure."""
@@ -113,13 +116,15 @@ def _compile(cxx: str, sources: tuple[Path, ...], out: Path, jobs: int) -> None:
                 cpp, obj = Path(tmp) / f"unit{n}.cpp", Path(tmp) / f"unit{n}.o"
                 cpp.write_text("".join(f'#include "{src}"\n' for src in unit))
                 cmd = [cxx, "-c", str(cpp), *_compile_flags(), "-o", str(obj)]
-                procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+                # its own process group: g++ runs cc1plus as a child, which a kill of g++ alone left running
+                procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                                    start_new_session=True)))
                 objs.append(str(obj))
             for cmd, proc in procs:
                 try:
                     _, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    _kill_group(proc)
                     _, err = proc.communicate()
                     err = f"timed out after {BUILD_TIMEOUT_S} s\n{err}"
                 if proc.returncode != 0 and failed is None:
@@ -127,7 +132,7 @@ def _compile(cxx: str, sources: tuple[Path, ...], out: Path, jobs: int) -> None:
         finally:  # an interrupt (Ctrl-C) or a failed start: no g++ left running on the deleted directory
             for _, proc in procs:
                 if proc.poll() is None:
-                    proc.kill()
+                    _kill_group(proc)
                     proc.wait()
         if failed is None:
             cmd = [cxx, *objs, *_link_flags(), "-o", str(out)]
@@ -189,8 +194,8 @@ def load() -> bool:
         return False
     try:
         torch.ops.load_library(str(build()))
-    except Exception as e:  # a missing compiler or a failed build: the eager paths still work
-        warnings.warn(f"glm_lightning C++ ops unavailable, using the eager paths ({e})", RuntimeWarning, stacklevel=2)
+    except Exception as e:  # a missing compiler or a failed build: the PyTorch forms still work
+        warnings.warn(f"glm_lightning C++ ops unavailable, using the PyTorch forms ({e})", RuntimeWarning, stacklevel=2)
         return False
     return True
 
@@ -199,15 +204,3 @@ def available() -> bool:
     """Whether the C++ ops are loaded (building them on the first call, unless disabled)."""
     return load()
 
-
-def takes(*tensors: torch.Tensor, fp64: bool = True) -> bool:
-    """Whether the C++ ops take these tensors: all on the CPU, of one dtype, fp32 (or fp64 for the ops that have an
-    fp64 instantiation, for gradcheck), and the ops are loaded. The one check in front of every C++ path (a decode
-    step asks ~300 times: a plain loop, ~3x faster than the generator expression it replaced)."""
-    dtype = tensors[0].dtype
-    if dtype is not torch.float32 and not (fp64 and dtype is torch.float64):
-        return False
-    for t in tensors:
-        if t.dtype is not dtype or not t.is_cpu:
-            return False
-    return available()

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm_lightning.model.cache import LayerCache, ModelCache
+from glm_lightning.model.cache import DSACache, KDACache, LayerCache, ModelCache
 from glm_lightning.model.config import GLMConfig
-from glm_lightning.model.dsa import DSACache, SparseAttention
-from glm_lightning.model.kda import KDACache, KDAttention
-from glm_lightning.model.linear import linear
+from glm_lightning.model.dsa import SparseAttention
+from glm_lightning.model.kda import KDAttention
 from glm_lightning.model.mhc import HyperConnection, collapse_streams, expand_streams
 from glm_lightning.model.moe import MoE
 from glm_lightning.model.norm import RMSNorm
+from glm_lightning.model.ops import linear
 
 
 @dataclass

@@ -1,12 +1,11 @@
-"""y = x W^T + b with a hand-written backward: the model's linear layers as two matmuls back instead of autograd's chain.
+"""linear: y = x W^T + b (reference: ``F.linear``), with a hand-written backward and a decode form.
 
-Why: the study model is dispatch-bound (~15 us per op). ``F.linear`` on a [B, T, d] input records matmul's reshape
-and view nodes plus ``MmBackward0`` and the weight's ``TBackward0``, which replay as ~23 dispatched ops per layer in
-backward; this Function replays as ~9 (dx = dy W, dW = dy^T x, db = sum(dy)). The forward is the same ``addmm``/``mm``
-that ``F.linear`` runs, so values are bit for bit those of ``F.linear``; without autograd (decoding) it is the same
-``mm``/``addmm`` called directly (7 dispatched ops instead of ``F.linear``'s 11-12 on a [B, T, d] input), or for a
-few rows (a decode step) ``glm_lightning::small_matmul``, which streams each weight row once (``SMALL_ROWS``; values
-within float rounding of ``mm``).
+Why the Function: the study model is dispatch-bound (~15 us per op). ``F.linear`` on a [B, T, d] input records
+matmul's reshape and view nodes plus ``MmBackward0`` and the weight's ``TBackward0``, which replay as ~23 dispatched ops
+per layer in backward; :class:`_Linear` replays as ~9 (dx = dy W, dW = dy^T x, db = sum(dy)). Its forward is the same
+``addmm``/``mm`` that ``F.linear`` runs, so values are bit for bit those of ``F.linear``. Without autograd (decoding)
+it is the same ``mm``/``addmm`` called directly (7 dispatched ops instead of 11-12), or for a few rows
+``glm_lightning::small_matmul`` (thresholds.SMALL_ROWS).
 """
 
 from __future__ import annotations
@@ -15,15 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model import cext
-
-SMALL_ROWS = 32
-"""Without autograd, fp32 inputs of at most this many rows (decoding) run through ``glm_lightning::small_matmul``
-(csrc/small_matmul.cpp) instead of BLAS's ``mm``, which packs the whole weight matrix on every call. In a decode
-step every weight is cold (the step streams the whole model), and there, 1 thread, the C++ op was 1.3-1.7x faster
-than ``mm`` at 16 rows and 1.6-2.2x at 1-4 rows (the model's [192-768] x [192-384] weights), 1.06-1.17x at 32 and
-0.86-1.09x at 64. The choice depends on the shape only, and the op sums each row in the same order whatever the other
-rows are."""
+from glm_lightning.model.ops import backend, thresholds
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -52,21 +43,22 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb
 
 
-def _small_matmul(x2: Tensor, weight: Tensor, counts: None, bias: Tensor | None) -> Tensor:
-    """x2 [rows, in] W^T + bias through the C++ op (one place, so tests can see that the path ran)."""
+def small_matmul(x2: Tensor, weight: Tensor, counts: Tensor | None, bias: Tensor | None = None) -> Tensor:
+    """x2 [rows, in] W^T + bias (or per expert: x2 [E, cap, in] against weight [E, out, in] over ``counts`` [E] real
+    rows) through the C++ op: each weight row streamed once."""
     return torch.ops.glm_lightning.small_matmul(x2, weight, counts, bias)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``; while autograd records, through :class:`_Linear` (fewer backward ops)."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    if backend.needs_grad(x, weight, *(() if bias is None else (bias,))):
         return _Linear.apply(x, weight, bias)
     if x.dim() < 2 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     x2 = _rows(x)
-    if x2.shape[0] <= SMALL_ROWS and cext.takes(x2, weight, *(() if bias is None else (bias,)), fp64=False):
-        y = _small_matmul(x2, weight, None, bias)
+    if x2.shape[0] <= thresholds.SMALL_ROWS and backend.takes(x2, weight, *(() if bias is None else (bias,)),
+                                                               fp64=False):
+        y = small_matmul(x2, weight, None, bias)
     else:  # the same mm/addmm that F.linear runs on the flattened rows, in 7 dispatched ops instead of 11-12
         wt = weight.transpose(0, 1)
         y = torch.mm(x2, wt) if bias is None else torch.addmm(bias, x2, wt)

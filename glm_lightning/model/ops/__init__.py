@@ -1,0 +1,40 @@
+"""The model's ops: one public function per op, below the model's layers.
+
+Each op has its reference form in ``reference.py`` (plain PyTorch following the papers' equations, autograd for the
+backward) and fast forms behind the function here: C++ ops (glm_lightning/model/cext.py, csrc/) where they take the
+tensors, else PyTorch forms that dispatch fewer ops. ``backend.takes`` is the one predicate (device, dtype, library
+loaded); ``thresholds.py`` holds every shape threshold with its measurement; ``backend.cpp_ops(False)`` switches the
+C++ ops off for a block (GLM_LIGHTNING_EXT=0 never loads them).
+
+| op | function | file |
+|---|---|---|
+| RMSNorm | ``rms_norm`` | norm.py |
+| KDA's gated head norm | ``gated_head_norm`` | norm.py |
+| linear (x W^T + b) | ``linear`` | matmul.py |
+| Sinkhorn-Knopp | ``sinkhorn`` | mhc.py |
+| mHC stream read / write, site read | ``stream_read``, ``stream_write``, ``site_read`` | mhc.py |
+| KDA short conv + SiLU, features | ``short_conv``, ``kda_features`` | kda_inputs.py |
+| KDA core (training, prefill) | ``kda_core`` (chunked form: ``kda_chunked``) | kda_recurrent.py, kda_chunkwise.py |
+| KDA decode step | ``kda_decode_step`` | kda_decode.py |
+| MoE routing, experts, shared expert | ``moe_route``, ``moe_experts``, ``swiglu_mlp`` | moe.py |
+| DSA indexer scores, top-k, decode attention | ``index_scores``, ``topk_mask``, ``topk_select``, ``decode_attention``,
+  ``single_query_attention`` | dsa.py |
+"""
+
+from glm_lightning.model.ops import reference
+from glm_lightning.model.ops.backend import cpp_loaded, cpp_ops
+from glm_lightning.model.ops.dsa import (decode_attention, fill_empty_rows, index_scores, single_query_attention,
+                                         topk_mask, topk_select)
+from glm_lightning.model.ops.kda_chunkwise import kda_chunked
+from glm_lightning.model.ops.kda_decode import kda_decode_step
+from glm_lightning.model.ops.kda_inputs import kda_features, short_conv
+from glm_lightning.model.ops.kda_recurrent import kda_core
+from glm_lightning.model.ops.matmul import linear
+from glm_lightning.model.ops.mhc import site_read, sinkhorn, stream_read, stream_write
+from glm_lightning.model.ops.moe import moe_experts, moe_route, swiglu_mlp
+from glm_lightning.model.ops.norm import gated_head_norm, rms_norm
+
+__all__ = ["cpp_loaded", "cpp_ops", "decode_attention", "fill_empty_rows", "gated_head_norm", "index_scores",
+           "kda_chunked", "kda_core", "kda_decode_step", "kda_features", "linear", "moe_experts", "moe_route",
+           "reference", "rms_norm", "short_conv", "single_query_attention", "sinkhorn", "site_read", "stream_read", "stream_write",
+           "swiglu_mlp", "topk_mask", "topk_select"]

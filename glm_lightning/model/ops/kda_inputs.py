@@ -1,0 +1,129 @@
+"""KDA's elementwise steps around the core (references: ``reference.short_conv``, ``reference.kda_features``): the
+causal short conv + SiLU over the q|k|v projections, then the features (unit-norm q and k, v, the gates g and beta).
+
+Why: the study model is dispatch-bound (~15 us per op). Left to autograd the features recorded ~25 nodes per layer
+that replayed as ~130 ops; the C++ ops (csrc/kda_pointwise.cpp, csrc/short_conv.cpp) are one pass each way (the oneDNN
+conv, SiLU and their backward were ~6 passes, the conv backward alone 0.5 ms for the study model's [8, 128, 144]).
+
+Kept PyTorch twin: :class:`_KDAFeatures`, the features with a hand-written backward (the form without the C++ ops;
+for u = x / (max(|x|, 1e-6) r): dx = (du - [|x| >= 1e-6] x_hat <x_hat, du>) / (max(|x|, 1e-6) r), x_hat = x / |x|).
+The short conv's PyTorch form is a depthwise ``conv2d`` on the channels-last view of the [B, T, 3HK] projections
+(oneDNN consumes and produces it without transposes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from glm_lightning.model.ops import backend, thresholds
+
+_L2_EPS = 1e-6
+"""The eps of the q/k L2 norm (as F.normalize)."""
+
+
+class _KDAFeatures(torch.autograd.Function):
+    """(y [B, T, 3HK], f [B, T, HK], b [B, T, H], A_log [H], rescale [2H, 1], lb) -> q, k, v [B, T, H, K], g, beta."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, f: Tensor, b: Tensor, A_log: Tensor, rescale: Tensor,  # type: ignore[override]
+                lb: float) -> tuple[Tensor, ...]:
+        B, T, _ = y.shape
+        H = A_log.shape[0]
+        K = f.shape[-1] // H
+        y4 = y.view(B, T, 3 * H, K) if y.is_contiguous() else y.reshape(B, T, 3 * H, K)
+        qk = y4[:, :, :2 * H]
+        norm = torch.linalg.vector_norm(qk, dim=-1, keepdim=True)
+        denom = norm.clamp_min(_L2_EPS).mul_(rescale)
+        qk_n = qk / denom
+        a = A_log.exp().view(H, 1)
+        s = torch.sigmoid(a * f.view(B, T, H, K))
+        beta = torch.sigmoid(b)
+        ctx.save_for_backward(qk_n, norm, denom, rescale, f, a, s, beta)
+        ctx.lb = lb
+        q, k = qk_n.split(H, dim=2)
+        return q, k, y4[:, :, 2 * H:], s * lb, beta
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, dg: Tensor, dbeta: Tensor):  # type: ignore[override]
+        qk_n, norm, denom, rescale, f, a, s, beta = ctx.saved_tensors
+        B, T, H2, K = qk_n.shape
+        dqk = torch.cat([dq, dk], dim=2)
+        # x_hat = u * rescale where the norm is not clamped (else the direction term is absent)
+        x_hat = qk_n * (rescale * (norm >= _L2_EPS))
+        dx = torch.addcmul(dqk, x_hat, (dqk * x_hat).sum(-1, keepdim=True), value=-1.0).div_(denom)
+        dy = torch.cat([dx, dv], dim=2).view(B, T, -1)
+        dz = torch.ops.aten.sigmoid_backward(dg, s).mul_(ctx.lb)              # d(a f), [B, T, H, K]
+        dA = (dz * f.view_as(dz)).sum(dim=(0, 1, 3)).mul_(a.view(-1))        # d/dA_log of exp(A_log) = a
+        df = (dz * a).view(B, T, -1)
+        return dy, df, torch.ops.aten.sigmoid_backward(dbeta, beta), dA, None, None
+
+
+class _KDAFeaturesCpp(torch.autograd.Function):
+    """:class:`_KDAFeatures` as the C++ ops: one pass forward, one backward (which recomputes the norms and gate
+    sigmoids from the saved inputs) instead of ~14 and ~18 ATen ops per layer."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, f: Tensor, b: Tensor, A_log: Tensor, rescale: Tensor,  # type: ignore[override]
+                lb: float) -> tuple[Tensor, ...]:
+        B, T, _ = y.shape
+        H = A_log.shape[0]
+        K = f.shape[-1] // H
+        y = y if y.is_contiguous() else y.contiguous()
+        a = A_log.exp()
+        qk, g, beta = torch.ops.glm_lightning.kda_features(y, f, b, a, rescale, lb)
+        ctx.save_for_backward(y, f, beta, a, rescale)
+        ctx.lb, ctx.b_shape = lb, b.shape
+        q, k = qk.view(B, T, 2 * H, K).split(H, dim=2)
+        return q, k, y.view(B, T, 3 * H, K)[:, :, 2 * H:], g.view(B, T, H, K), beta.view(B, T, H)
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, dg: Tensor, dbeta: Tensor):  # type: ignore[override]
+        y, f, beta, a, rescale = ctx.saved_tensors
+        dy, df, db, dA = torch.ops.glm_lightning.kda_features_backward(dq, dk, dv, dg, dbeta, y, f, beta, a, rescale,
+                                                                       ctx.lb)
+        return dy.view(y.shape), df.view(f.shape), db.view(ctx.b_shape), dA, None, None
+
+
+def kda_features(y: Tensor, f: Tensor, b: Tensor, A_log: Tensor, rescale: Tensor,
+                 lb: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """q, k, v [B, T, H, K], g [B, T, H, K], beta [B, T, H] from the conv output y [B, T, 3HK], the gate input f
+    [B, T, HK] and b [B, T, H] (all fp32), A_log [H], rescale [2H, 1] (see ``reference.kda_features``)."""
+    fn = _KDAFeaturesCpp if backend.takes(y, f, b, A_log, rescale) else _KDAFeatures
+    return fn.apply(y, f, b, A_log, rescale, lb)
+
+
+class _ShortConvCpp(torch.autograd.Function):
+    """(x [B, T, C] raw projections, weight [C, 1, ks]) -> SiLU(causal depthwise conv(x)) [B, T, C], zeros before
+    t = 0, through ``glm_lightning::short_conv_silu`` and its backward (which recomputes the conv output)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+        x = x if x.is_contiguous() else x.contiguous()
+        ctx.save_for_backward(x, weight)
+        return torch.ops.glm_lightning.short_conv_silu(x, weight.view(weight.shape[0], -1))
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        x, weight = ctx.saved_tensors
+        dx, dw = torch.ops.glm_lightning.short_conv_silu_backward(dy, x, weight.view(weight.shape[0], -1))
+        return dx, dw.view_as(weight)
+
+
+def short_conv(raw: Tensor, weight: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """SiLU(causal depthwise conv) over time (see ``reference.short_conv``): raw [B, T, C], weight [C, 1, ks],
+    context [B, ks-1, C] the previous raw inputs or None for zeros (training). Returns [B, T, C] and, with a context,
+    the raw inputs after it [B, ks-1+T, C] (the next context's source)."""
+    T, ks, C = raw.shape[1], weight.shape[-1], raw.shape[-1]
+    if context is None and ks <= thresholds.SHORT_CONV_MAX_KERNEL and backend.takes(raw, weight):
+        return _ShortConvCpp.apply(raw, weight), None
+    # [B, T, C] viewed as [B, C, 1, T] is channels-last memory: oneDNN's depthwise conv2d needs no transpose copies
+    if context is None:
+        xp = None
+        y = F.conv2d(raw.transpose(1, 2).unsqueeze(2), weight.unsqueeze(2), groups=C, padding=(0, ks - 1))
+        y = y[..., :T]                                                           # causal: left context only
+    else:
+        xp = torch.cat([context.to(raw.dtype), raw], dim=1)
+        y = F.conv2d(xp.transpose(1, 2).unsqueeze(2), weight.unsqueeze(2), groups=C)
+    return F.silu(y.squeeze(2).transpose(1, 2)), xp

@@ -1,0 +1,200 @@
+"""mHC's ops (references: ``reference.sinkhorn_knopp``, ``reference.stream_read``, ``reference.stream_write``,
+``reference.site_read``): Sinkhorn-Knopp, the stream read and write, and the whole read half of a site.
+
+Why C++ (csrc/sinkhorn.cpp, streams.cpp, site_read.cpp): as eager PyTorch a site's Sinkhorn issues ~270 dispatched ops
+(20 iterations), its stream read/write ~70; as C++ ops each is one op forward and one backward. The site read does the
+norm, the projection, the gates and the read in one pass over the streams (counted in the eager code, they were read ~3
+times forward and ~10 times backward).
+
+Kept PyTorch twins with hand-written backward passes: :class:`_Sinkhorn` (what runs beside the site read for more
+streams than the C++ ops take, or without them; autograd over the iterations stores every intermediate and issued ~8
+ops per half step backward) and :class:`_StreamWrite` (autograd's backward of the per-token [n, n] @ [n, C] matmul
+transposes an operand into a strided view, which sent the CPU bmm to a per-token loop of tiny GEMMs, 8x slower: once
+the biggest item of a profiled step).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from glm_lightning.model.ops import backend, thresholds
+from glm_lightning.model.ops.reference import site_mappings, stream_read as stream_read_reference
+
+
+class _Sinkhorn(torch.autograd.Function):
+    """Sinkhorn-Knopp of [N, n, n] logits on the entries-major layout [n(row), n(col), N], with a hand-written
+    backward: the forward keeps only the 2 * iters - 1 denominators d; the backward walks the half steps in reverse,
+    recovering each input from its output (m_in = m_out * d) and carrying P = dL/dm * m, so that each step is
+    P_in = P_out - sum_dim(P_out) * m_out (one sum, one addcmul), then the softmax backward of the start."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, iters: int, eps: float) -> Tensor:  # type: ignore[override]
+        soft = torch.softmax(logits.permute(1, 2, 0), dim=1).contiguous()  # [n(row), n(col), N]
+        eps_t = logits.new_full((), eps)  # a tensor: a Python scalar would be wrapped into one on every add
+        m = soft + eps_t
+        dens = []
+        for step in range(2 * iters - 1):  # column first, then (iters - 1) row/column rounds
+            dim = 0 if step % 2 == 0 else 1
+            d = m.sum(dim=dim, keepdim=True).add_(eps_t)
+            m.div_(d)
+            dens.append(d)
+        ctx.save_for_backward(soft, m, *dens)
+        return m.permute(2, 0, 1).contiguous()  # a strided res would send bmm to its slow path
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
+        soft, m, *dens = ctx.saved_tensors
+        m = m.clone()
+        p = grad.permute(1, 2, 0) * m
+        for step in reversed(range(len(dens))):
+            dim = 0 if step % 2 == 0 else 1
+            p.addcmul_(p.sum(dim=dim, keepdim=True), m, value=-1.0)
+            m.mul_(dens[step])  # the input of this step
+        # m is now the start softmax + eps: dL/dm_start = P / m, then the softmax backward
+        return torch._softmax_backward_data(p.div_(m), soft, 1, soft.dtype).permute(2, 0, 1), None, None
+
+
+class _SinkhornCpp(torch.autograd.Function):
+    """:class:`_Sinkhorn` as the C++ ops: one op forward, one backward (which recomputes the cheap half steps from the
+    saved row softmax instead of saving 2 * iters - 1 denominators)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, iters: int, eps: float) -> Tensor:  # type: ignore[override]
+        out, soft = torch.ops.glm_lightning.sinkhorn(logits, iters, eps)
+        ctx.save_for_backward(soft)
+        ctx.iters, ctx.eps = iters, eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
+        (soft,) = ctx.saved_tensors
+        return torch.ops.glm_lightning.sinkhorn_backward(grad, soft, ctx.iters, ctx.eps), None, None
+
+
+def sinkhorn(logits: Tensor, iters: int = 20, eps: float = 1e-6) -> Tensor:
+    """Project [..., n, n] logits onto (approximately) doubly stochastic matrices, in fp32 (fp64 stays fp64): row
+    softmax (+eps), one column normalisation, then (iters - 1) row/column rounds, eps in every denominator."""
+    shape = logits.shape
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    flat = logits.reshape(-1, *shape[-2:])
+    cpp = shape[-1] <= thresholds.CPP_MAX_STREAMS and backend.takes(flat)
+    return (_SinkhornCpp if cpp else _Sinkhorn).apply(flat, iters, eps).view(shape)
+
+
+class _StreamReadCpp(torch.autograd.Function):
+    """h = sum_i H_pre[i] x_i as the C++ ops of csrc/streams.cpp (any leading dims)."""
+
+    @staticmethod
+    def forward(ctx, pre: Tensor, x: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(pre, x)
+        return torch.ops.glm_lightning.stream_read(pre, x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return torch.ops.glm_lightning.stream_read_backward(grad, *ctx.saved_tensors)
+
+
+def stream_read(pre: Tensor, x: Tensor) -> Tensor:
+    """h = sum_i H_pre[i] x_i: [..., n] x [..., n, C] -> [..., C]."""
+    if x.shape[-2] <= thresholds.CPP_MAX_STREAMS and backend.takes(x):
+        return _StreamReadCpp.apply(pre, x)
+    return stream_read_reference(pre, x)
+
+
+def _mix(a: Tensor, b: Tensor) -> Tensor:
+    """Per-token a @ b for a [..., i, j] (tiny) and b [..., j, C] -> [..., i, C]: broadcast multiply-adds up to
+    thresholds.MIX_MAX_STREAMS, else a batched matmul."""
+    j = a.shape[-1]
+    if j > thresholds.MIX_MAX_STREAMS:
+        return torch.matmul(a, b)
+    out = a[..., 0:1] * b[..., 0:1, :]
+    for i in range(1, j):
+        out.addcmul_(a[..., i:i + 1], b[..., i:i + 1, :])
+    return out
+
+
+class _StreamWrite(torch.autograd.Function):
+    """x_next = H_res x + H_post^T y per token, every product on contiguous operands (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, res: Tensor, x: Tensor, post: Tensor, y: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(res, x, post, y)
+        return _mix(res, x).addcmul_(post.unsqueeze(-1), y.unsqueeze(-2))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        res, x, post, y = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_res = torch.matmul(grad, x.transpose(-1, -2))                 # [n,C] @ [C,n]
+        grad_x = _mix(res.transpose(-1, -2).contiguous(), grad)             # [n,n] @ [n,C]
+        grad_post = torch.matmul(grad, y.unsqueeze(-1)).squeeze(-1)        # [n,C] @ [C,1]
+        grad_y = stream_read_reference(post, grad)                          # [1,n] @ [n,C]
+        return grad_res, grad_x, grad_post, grad_y
+
+
+class _StreamWriteCpp(torch.autograd.Function):
+    """:class:`_StreamWrite` as the C++ ops of csrc/streams.cpp: one op forward, one backward."""
+
+    @staticmethod
+    def forward(ctx, res: Tensor, x: Tensor, post: Tensor, y: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(res, x, post, y)
+        return torch.ops.glm_lightning.stream_write(res, x, post, y)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        return torch.ops.glm_lightning.stream_write_backward(grad, *ctx.saved_tensors)
+
+
+def stream_write(res: Tensor, x: Tensor, post: Tensor, y: Tensor) -> Tensor:
+    """x_next = H_res x + H_post^T y: [..., n, n], [..., n, C], [..., n], [..., C] -> [..., n, C]."""
+    cpp = x.shape[-2] <= thresholds.CPP_MAX_STREAMS and backend.takes(x)
+    return (_StreamWriteCpp if cpp else _StreamWrite).apply(res, x, post, y)
+
+
+class _SiteReadCpp(torch.autograd.Function):
+    """The read half of a site on the C++ ops: streams x [N, n, C] -> (h [N, C], H_post [N, n], H_res [N, n, n]).
+
+    Autograd records one node instead of ~20. With z = (x phi^T) * inv_rms and logits = bias + alpha z:
+        dlogits = [dgates * scale * sig (1 - sig) | SinkhornBackward(dres)],  dbias = sum dlogits,
+        dalpha = segment sums of dlogits * z,  draw = dlogits * alpha * inv_rms,  dphi = draw^T x,
+        dx = draw phi - x * inv_rms^3 / (nC) * rowsum(dlogits * alpha * raw) + ReadBackward(dh).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor,  # type: ignore[override]
+                gate_scale: Tensor, gate_shift: Tensor, norm_eps: float, iters: int, eps: float
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        n = x.shape[1]
+        x = x if x.is_contiguous() else x.contiguous()
+        alpha_e = alpha.index_select(0, alpha_index)
+        h, gates, res_logits, inv_rms, raw, sig = torch.ops.glm_lightning.site_read(
+            x, phi, alpha_e, bias, gate_scale, gate_shift, norm_eps)
+        res, res_soft = torch.ops.glm_lightning.sinkhorn(res_logits, iters, eps)
+        ctx.save_for_backward(x, phi, alpha, alpha_e, alpha_index, gate_scale, inv_rms, raw, sig, gates, res_soft)
+        ctx.iters, ctx.eps = iters, eps
+        return h, gates[:, n:], res
+
+    @staticmethod
+    def backward(ctx, dh: Tensor, dpost: Tensor, dres: Tensor):  # type: ignore[override]
+        x, phi, alpha, alpha_e, alpha_index, gate_scale, inv_rms, raw, sig, gates, res_soft = ctx.saved_tensors
+        dres_logits = torch.ops.glm_lightning.sinkhorn_backward(dres, res_soft, ctx.iters, ctx.eps)
+        dx, dphi, dbias, dalpha_l = torch.ops.glm_lightning.site_read_backward(
+            dh, dpost, dres_logits, x, phi, alpha_e, gate_scale, inv_rms, raw, sig, gates)
+        dalpha = torch.zeros_like(alpha).index_add_(0, alpha_index, dalpha_l)
+        return dx, dphi, dalpha, dbias, None, None, None, None, None, None
+
+
+def site_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor, gate_scale: Tensor,
+              gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The read half of an mHC site: streams x [..., n, C] -> (h = H_pre x [..., C], H_post [..., n],
+    H_res [..., n, n]) in x's dtype; the parameters as :class:`glm_lightning.model.mhc.HyperConnection` holds them."""
+    lead, (n, C) = x.shape[:-2], x.shape[-2:]
+    if n <= thresholds.SITE_READ_MAX_STREAMS and backend.takes(x, phi):
+        h, post, res = _SiteReadCpp.apply(x.reshape(-1, n, C), phi, alpha, bias, alpha_index, gate_scale,
+                                          gate_shift, norm_eps, iters, eps)
+        return h.view(*lead, C), post.view(*lead, n), res.view(*lead, n, n)
+    pre, post, res = (m if m.dtype == x.dtype else m.to(x.dtype) for m in site_mappings(
+        x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps, sinkhorn))
+    return stream_read(pre, x), post, res

@@ -1,0 +1,295 @@
+"""MoE's ops (references: ``reference.moe_route``, ``reference.moe_balance_loss``, ``reference.moe_experts``,
+``reference.swiglu``): the routing after the router's sigmoid, the routed experts and the shared expert's SwiGLU.
+
+Routing: as the C++ op of csrc/moe_route.cpp (selection, gates, balance loss and assignment rows, one op forward and
+one backward instead of ~45 and ~20 dispatched ops per layer), else the reference forms and :func:`assignment_rows`.
+
+Experts: the N*K (token, expert) assignments sorted by expert run as one grouped GEMM over a zero-padded [E, max load,
+d] batch (no capacity limit, no dropped tokens; padding rows are zeros, give zeros and are never read), each token
+then summing its K weighted rows (:class:`_GroupedExperts`, with a hand-written backward: autograd recorded ~20 nodes,
+replayed as ~80 ops; this is ~10 forward and ~15 backward). Two variants compute the same (thresholds.py): large calls
+with unequal loads run each expert on its own segment (:class:`_SegmentExperts`, no padding), and decoding a few rows
+runs the padded batch through ``small_matmul`` (:func:`_experts_small`). The row moves are one C++ pass each when the
+ops take the tensors (csrc/moe_rows.cpp), else index_select / index_copy_ and products.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from glm_lightning.model.ops import backend, thresholds
+from glm_lightning.model.ops.matmul import linear, small_matmul
+from glm_lightning.model.ops.reference import moe_balance_loss, moe_route as route_reference
+
+
+def _f32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _swiglu_cpp(hgu: Tensor) -> bool:
+    """Whether SwiGLU runs as the C++ ops of csrc/swiglu.cpp for hgu."""
+    return hgu.is_contiguous() and backend.takes(hgu)
+
+
+def _swiglu_act(hgu: Tensor) -> Tensor:
+    """a = SiLU(gate) * up for the fused projections hgu [..., 2h] = [gate | up] (one pass with the C++ ops)."""
+    if _swiglu_cpp(hgu):
+        return torch.ops.glm_lightning.swiglu(hgu)
+    gate, up = hgu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_act_backward(da: Tensor, hgu: Tensor) -> Tensor:
+    """d hgu = [da up SiLU'(gate) | da SiLU(gate)] (one pass with the C++ ops; eager: SiLU recomputed, cat)."""
+    if _swiglu_cpp(hgu):
+        return torch.ops.glm_lightning.swiglu_backward(da, hgu)
+    gate, up = hgu.chunk(2, dim=-1)
+    return torch.cat([torch.ops.aten.silu_backward(da * up, gate), da * F.silu(gate)], dim=-1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """The shared expert's activation with :func:`_swiglu_act` / :func:`_swiglu_act_backward` (autograd recorded
+    chunk, SiLU and product, and replayed them as ~6 passes over the [tokens, 2h] projections); without the C++ ops
+    both run their eager forms."""
+
+    @staticmethod
+    def forward(ctx, hgu: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(hgu)
+        return _swiglu_act(hgu)
+
+    @staticmethod
+    def backward(ctx, da: Tensor) -> Tensor:  # type: ignore[override]
+        return _swiglu_act_backward(da, ctx.saved_tensors[0])
+
+
+def _token_gates(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """The gates w [N, K] flat [N * K] in token order, in the activations' dtype: the row moves' weights."""
+    return (w if w.dtype == dtype else w.to(dtype)).reshape(-1)
+
+
+def _rows_scatter(src: Tensor, slot: Tensor, K: int, scale: Tensor | None, rows: int) -> Tensor:
+    """[rows, d] zeros with row slot[f] = scale[f] * src[f // K] (slot, scale [N * K] in token order): one pass with the
+    C++ ops (csrc/moe_rows.cpp), else repeat_interleave, product and index_copy_."""
+    if backend.takes(src, *(() if scale is None else (scale,))):
+        return torch.ops.glm_lightning.rows_scatter(src.contiguous(), slot, K, scale, rows)
+    rep = src.repeat_interleave(K, dim=0)
+    return src.new_zeros(rows, src.shape[-1]).index_copy_(0, slot, rep if scale is None else rep * scale[:, None])
+
+
+def _rows_gather_sum(src: Tensor, slot: Tensor, K: int, weight: Tensor | None) -> Tensor:
+    """[N, d] with row n = sum_k weight[n K + k] * src[slot[n K + k]], k in order: one pass with the C++ ops, else
+    index_select, product and sum."""
+    if backend.takes(src, *(() if weight is None else (weight,))):
+        return torch.ops.glm_lightning.rows_gather_sum(src.contiguous(), slot, K, weight)
+    rows = src.index_select(0, slot).view(-1, K, src.shape[-1])
+    return (rows if weight is None else rows * weight.view(-1, K, 1)).sum(1)
+
+
+def _rows_dot(a: Tensor, b: Tensor, slot: Tensor, K: int) -> Tensor:
+    """[N * K] with entry f = <a[f // K], b[slot[f]]>: one pass with the C++ ops, else gather, product and sum."""
+    if backend.takes(a, b):
+        return torch.ops.glm_lightning.rows_dot(a.contiguous(), b.contiguous(), slot, K)
+    return (a.repeat_interleave(K, dim=0) * b.index_select(0, slot)).sum(-1)
+
+
+class _GroupedExperts(torch.autograd.Function):
+    """The routed experts as one grouped GEMM over sorted tokens, with a hand-written backward.
+
+    x [N, d], gates w [N, K] and ``slot`` [N * K]: the padded row of token n's k-th choice (expert e's j-th assignment
+    at e * cap + j), in token order -> y [N, d] = sum_k w_k E_{idx_k}(x). Forward: scatter into the zero-padded
+    [E, cap, d] batch, two bmm, the gated sum of each token's rows. Backward, with a = SiLU(gate) * up:
+    dgates = <dy_token, y_slot>, dys = gates * dy_token, dW_down = dys^T a, da = dys W_down,
+    d[gate | up] = [silu'(gate) up da | SiLU(gate) da], dW_gate_up = d[gate | up]^T xs, dx = sum over the token's rows
+    of d[..] W_gate_up. The row moves are one C++ pass each when the ops are built (:func:`_rows_scatter`,
+    :func:`_rows_gather_sum`, :func:`_rows_dot`). Autograd recorded ~20 nodes here (index ops, views, bmm, chunk),
+    replayed as ~80 ops; this is ~10 forward and ~15 backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor,  # type: ignore[override]
+                slot: Tensor, cap: int) -> Tensor:
+        E, K, d = w_gate_up.shape[0], w.shape[-1], x.shape[-1]
+        xs = _rows_scatter(x, slot, K, None, E * cap).view(E, cap, d)
+        hgu = torch.bmm(xs, w_gate_up.transpose(1, 2))                               # [E, cap, 2h]
+        a = _swiglu_act(hgu)
+        y_pad = torch.bmm(a, w_down.transpose(1, 2)).view(E * cap, d)
+        gates = _token_gates(w, x.dtype)
+        ctx.save_for_backward(xs, hgu, a, y_pad, gates, w_gate_up, w_down, slot)
+        ctx.w_shape, ctx.w_dtype = w.shape, w.dtype
+        return _rows_gather_sum(y_pad, slot, K, gates)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        xs, hgu, a, y_pad, gates, w_gate_up, w_down, slot = ctx.saved_tensors
+        E, cap, d = xs.shape
+        K = ctx.w_shape[-1]
+        dy = dy.contiguous()
+        dw = _rows_dot(dy, y_pad, slot, K).view(ctx.w_shape)
+        dys = _rows_scatter(dy, slot, K, gates, E * cap).view(E, cap, d)
+        need = ctx.needs_input_grad
+        dw_down = torch.bmm(dys.transpose(1, 2), a) if need[3] else None             # [E, d, h]
+        da = torch.bmm(dys, w_down)                                                   # [E, cap, h]
+        dhgu = _swiglu_act_backward(da, hgu)
+        dw_gate_up = torch.bmm(dhgu.transpose(1, 2), xs) if need[2] else None        # [E, 2h, d]
+        dx = None
+        if need[0]:
+            dx = _rows_gather_sum(torch.bmm(dhgu, w_gate_up).view(E * cap, d), slot, K, None)
+        return dx, dw if dw.dtype == ctx.w_dtype else dw.to(ctx.w_dtype), dw_gate_up, dw_down, None, None
+
+
+class _SegmentExperts(torch.autograd.Function):
+    """The routed experts over sorted tokens without padding: each expert's two (and in backward four) GEMMs run on
+    its own contiguous segment of the sorted assignments, written in place with ``mm(..., out=)``.
+
+    Same math and backward as :class:`_GroupedExperts`; for large calls, where a zero-padded [E, max load, d] batch
+    wastes what the loads are unequal by (a 96-prompt RL prefill shares its prompts' prefix, so identical tokens pick
+    identical experts: the largest load was 1.8x the mean). The segments are views from one ``split`` per tensor, so
+    each expert costs about one dispatched op per GEMM. ``token`` [A] is the token of each sorted assignment (the
+    forward's gather), ``pos`` [N * K] the sorted row of token n's k-th choice (the gated combine and the backward, with
+    the row moves of :class:`_GroupedExperts`).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor,  # type: ignore[override]
+                token: Tensor, pos: Tensor, counts: list[int]) -> Tensor:
+        A, h = token.numel(), w_down.shape[-1]
+        used = [e for e, n in enumerate(counts) if n]
+        xs = x.index_select(0, token)                                                  # [A, d] sorted by expert
+        hgu = x.new_empty(A, 2 * h)
+        xs_e, hgu_e, wgu_t = xs.split(counts), hgu.split(counts), w_gate_up.transpose(1, 2).unbind(0)
+        for e in used:
+            torch.mm(xs_e[e], wgu_t[e], out=hgu_e[e])
+        a = _swiglu_act(hgu)
+        ys = x.new_empty(A, x.shape[-1])
+        a_e, ys_e, wd_t = a.split(counts), ys.split(counts), w_down.transpose(1, 2).unbind(0)
+        for e in used:
+            torch.mm(a_e[e], wd_t[e], out=ys_e[e])
+        gates = _token_gates(w, x.dtype)
+        ctx.save_for_backward(xs, hgu, a, ys, gates, w_gate_up, w_down, pos)
+        ctx.counts, ctx.used, ctx.w_shape, ctx.w_dtype = counts, used, w.shape, w.dtype
+        return _rows_gather_sum(ys, pos, w.shape[-1], gates)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        xs, hgu, a, ys, gates, w_gate_up, w_down, pos = ctx.saved_tensors
+        counts, used, need = ctx.counts, ctx.used, ctx.needs_input_grad
+        K = ctx.w_shape[-1]
+        dy = dy.contiguous()
+        dw = _rows_dot(dy, ys, pos, K).view(ctx.w_shape)
+        dys = _rows_scatter(dy, pos, K, gates, ys.shape[0])                           # [A, d], every row written
+        da = a.new_empty(a.shape)                                                      # [A, h]
+        dys_e, da_e, wd = dys.split(counts), da.split(counts), w_down.unbind(0)
+        for e in used:
+            torch.mm(dys_e[e], wd[e], out=da_e[e])
+        dw_down = None
+        if need[3]:
+            dw_down = torch.zeros_like(w_down)                                        # [E, d, h]
+            dys_t, a_e, dwd = dys.t().split(counts, dim=1), a.split(counts), dw_down.unbind(0)
+            for e in used:
+                torch.mm(dys_t[e], a_e[e], out=dwd[e])
+        dhgu = _swiglu_act_backward(da, hgu)
+        dw_gate_up = dx = None
+        if need[2]:
+            dw_gate_up = torch.zeros_like(w_gate_up)                                  # [E, 2h, d]
+            dhgu_t, xs_e, dwgu = dhgu.t().split(counts, dim=1), xs.split(counts), dw_gate_up.unbind(0)
+            for e in used:
+                torch.mm(dhgu_t[e], xs_e[e], out=dwgu[e])
+        if need[0]:
+            dxs = xs.new_empty(xs.shape)
+            dhgu_e, dxs_e, wgu = dhgu.split(counts), dxs.split(counts), w_gate_up.unbind(0)
+            for e in used:
+                torch.mm(dhgu_e[e], wgu[e], out=dxs_e[e])
+            dx = _rows_gather_sum(dxs, pos, K, None)
+        return (dx, dw if dw.dtype == ctx.w_dtype else dw.to(ctx.w_dtype), dw_gate_up, dw_down, None, None, None)
+
+
+class _Routing(torch.autograd.Function):
+    """The routing after the router's sigmoid as the C++ ops of csrc/moe_route.cpp: scores s [N, E] -> gates w [N, K]
+    and the balance loss (both differentiable in s), with the choices idx [N, K], per-expert counts [E] and the
+    assignment rows (pos, slot) [N * K] of :meth:`MoE._assignment_rows`. One op forward and one backward, instead of
+    ~45 and ~20 dispatched ops per layer (topk, gather, normalisation, bincount, argsort, the loss and their backward).
+    ``alpha`` 0 skips the loss (its output is then a zero)."""
+
+    @staticmethod
+    def forward(ctx, s: Tensor, bias: Tensor, K: int, scale: float, B: int,  # type: ignore[override]
+                alpha: float) -> tuple[Tensor, ...]:
+        w, aux, idx, counts, pos, slot, coef = torch.ops.glm_lightning.moe_route(s, bias, K, scale, B, alpha)
+        ctx.save_for_backward(s, idx, coef)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(idx, counts, pos, slot)
+        return w, aux, idx, counts, pos, slot
+
+    @staticmethod
+    def backward(ctx, dw: Tensor, daux: Tensor, *_: Tensor):  # type: ignore[override]
+        s, idx, coef = ctx.saved_tensors
+        ds = torch.ops.glm_lightning.moe_route_backward(dw, daux, s, idx, coef, ctx.scale)
+        return ds, None, None, None, None, None
+
+
+def _experts_small(x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, slot: Tensor, cap: int,
+                   counts: Tensor) -> Tensor:
+    """The forward of :class:`_GroupedExperts` without autograd, its two bmm as ``small_matmul`` over each expert's
+    ``counts`` real rows (same row moves, same values within float rounding)."""
+    E, K, d = w_gate_up.shape[0], w.shape[-1], x.shape[-1]
+    xs = _rows_scatter(x, slot, K, None, E * cap).view(E, cap, d)
+    a = _swiglu_act(small_matmul(xs, w_gate_up, counts))
+    y_pad = small_matmul(a, w_down, counts).view(E * cap, d)
+    return _rows_gather_sum(y_pad, slot, K, _token_gates(w, x.dtype))
+
+
+def assignment_rows(idx: Tensor, counts: list[int]) -> tuple[Tensor, Tensor]:
+    """(pos, slot) [N * K] for choices idx [N, K] (what ``moe_route`` returns in C++): token n's k-th choice, at
+    n * K + k, is row ``pos`` of the assignments sorted stably by expert, and row ``slot`` of the zero-padded [E, cap]
+    batch (expert e's j-th assignment at e * cap + j, cap = the largest load)."""
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    pos = torch.empty_like(order).index_copy_(0, order, torch.arange(flat.numel(), device=idx.device))
+    cap, starts = max(counts), [0]
+    for n in counts[:-1]:
+        starts.append(starts[-1] + n)
+    shift = torch.tensor([e * cap - s0 for e, s0 in enumerate(starts)], device=idx.device)
+    return pos, pos + shift.index_select(0, flat)
+
+
+def moe_route(s: Tensor, bias: Tensor, top_k: int, scale: float, batch: int,
+              balance_weight: float) -> tuple[Tensor, Tensor | None, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """Route N = batch * T tokens from their fp32 affinities s [N, E]: gates w [N, K], the balance loss (None when
+    ``balance_weight`` is 0), choices idx [N, K], per-expert counts [E] and, from the C++ op, the assignment rows
+    (pos, slot) (else None: :func:`moe_experts` builds them)."""
+    N, E = s.shape
+    if N > 0 and backend.takes(s):
+        w, aux, idx, counts, *rows = _Routing.apply(s, bias, top_k, scale, batch, balance_weight)
+        return w, aux if balance_weight > 0 else None, idx, counts, tuple(rows)
+    idx, w = route_reference(s, _f32(bias), top_k, scale)
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    aux = None
+    if balance_weight > 0 and N > 0:
+        aux = moe_balance_loss(s.view(batch, -1, E), idx.view(batch, -1, top_k), E, balance_weight)
+    return w, aux, idx, counts, None
+
+
+def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, counts_t: Tensor,
+                rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """y_n = sum_k w_nk E_{idx_nk}(x_n) for flat tokens x [N, d], choices idx and gates w [N, K], the experts'
+    w_gate_up [E, 2h, d] and w_down [E, d, h], per-expert counts [E] and the assignment rows when the routing gave
+    them."""
+    K = idx.shape[-1]
+    counts = counts_t.tolist()
+    cap = max(counts)
+    if cap == 0:  # no tokens at all
+        return torch.zeros_like(x)
+    pos, slot = assignment_rows(idx, counts) if rows is None else rows  # token n's k-th choice at n * K + k
+    if x.shape[0] >= thresholds.SEGMENT_TOKENS and w_gate_up.shape[0] * cap >= thresholds.SEGMENT_PADDING * pos.numel():
+        order = torch.empty_like(pos).index_copy_(0, pos, torch.arange(pos.numel(), device=x.device))
+        return _SegmentExperts.apply(x, w, w_gate_up, w_down, order // K, pos, counts)
+    if (x.shape[0] <= thresholds.SMALL_TOKENS and not torch.is_grad_enabled()
+            and backend.takes(x, w_gate_up, fp64=False)):
+        return _experts_small(x, w, w_gate_up, w_down, slot, cap, counts_t)
+    return _GroupedExperts.apply(x, w, w_gate_up, w_down, slot, cap)
+
+
+def swiglu_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
+    """The shared expert W_down (SiLU(W_gate x) * W_up x), its activation one C++ pass each way when built."""
+    return linear(_SwiGLU.apply(linear(x, w_gate_up)), w_down)

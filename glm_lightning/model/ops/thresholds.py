@@ -1,0 +1,62 @@
+"""Every shape threshold that picks between two forms of an op, with the measurement that set it.
+
+The ops read these names at call time (``thresholds.SMALL_ROWS``), so a test or a benchmark can move one. A threshold
+only ever changes speed: both forms compute the same values (within float rounding, tested against the reference
+forms of glm_lightning/model/ops/reference.py). Kernel limits (what a C++ op is compiled for) are listed last; they are
+not tuning knobs.
+
+| name | picks | measured |
+|---|---|---|
+| SMALL_ROWS | linear: C++ small_matmul vs BLAS mm, no autograd | decode step, cold weights, 1 thread: 1.3-1.7x at 16 rows, 1.6-2.2x at 1-4, 1.06-1.17x at 32, 0.86-1.09x at 64 |
+| SMALL_TOKENS | MoE experts: small_matmul vs bmm, no autograd | flash-25m's 12 MoE layers, 1 thread: 1.46x at 16 tokens, 1.12x at 64, 1.05x at 96 |
+| SEGMENT_TOKENS, SEGMENT_PADDING | MoE experts: per-expert segments vs the padded batch | 96-prompt RL prefill (largest load 1.8x the mean) 1.26x; balanced flash-25m loads within noise |
+| DECODE_GATHER_MIN_KEYS_PER_TOP_K | DSA decode: gather the top-k keys vs mask all keys | see its docstring (re-measured with the C++ decode ops) |
+| MIX_MAX_STREAMS | mHC stream write (PyTorch form): broadcast multiply-adds vs matmul | 1024 tokens, 2x2 @ 2x48: 0.16 vs 1.05 ms; 4 streams: matmul |
+"""
+
+from __future__ import annotations
+
+SMALL_ROWS = 32
+"""Without autograd, fp32 inputs of at most this many rows (decoding) run ``linear`` through
+``glm_lightning::small_matmul`` (csrc/small_matmul.cpp) instead of BLAS's ``mm``, which packs the whole weight matrix on
+every call. In a decode step every weight is cold (the step streams the whole model), and there, 1 thread, the C++ op
+was 1.3-1.7x faster than ``mm`` at 16 rows and 1.6-2.2x at 1-4 rows (the model's [192-768] x [192-384] weights),
+1.06-1.17x at 32 and 0.86-1.09x at 64. The choice depends on the shape only, and the op sums each row in the same
+order whatever the other rows are."""
+
+SMALL_TOKENS = 64
+"""Without autograd, an MoE call with at most this many tokens (decoding a few rows) runs its experts through
+``small_matmul`` (each weight row streamed once, padding rows skipped) instead of BLAS, which repacks every expert's
+whole weight matrix per call. flash-25m's 12 MoE layers, 1 thread: 1.46x faster at 16 tokens, 1.12x at 64, 1.05x at
+96. The choice depends on the shape only, never on the routing, so a token's output never depends on what the other
+tokens of the batch are."""
+
+SEGMENT_TOKENS = 2048
+SEGMENT_PADDING = 1.25
+"""MoE calls with at least SEGMENT_TOKENS tokens whose padded batch would be at least SEGMENT_PADDING times the real
+assignments (the largest load 25% above the mean) run per expert segment (no padding): a 96-prompt RL prefill, 1.26x
+faster. Otherwise the padded batch stays: ~330 fewer dispatched ops per layer (fwd + bwd), which the dispatch-bound
+study model and balanced loads need more (a fresh flash-25m at 32 x 128: largest load 1.07-1.18x the mean per layer;
+there the two were within noise of each other)."""
+
+DECODE_GATHER_MIN_KEYS_PER_TOP_K = 4
+"""A DSA decode step (one query per row) gathers its top-k keys and values once the cache holds at least this many
+times top_k keys; below, it attends over all keys under the top-k mask. Both give the same result. First set with
+SDPA (B=16, top_k=64: mask 1.7 vs gather 3.2 ms at 101 keys, gather 4.5 vs mask 5.7 ms at 501 keys); re-measured
+with the C++ decode ops in docs/performance.md ("The ops layer")."""
+
+MIX_MAX_STREAMS = 2
+"""The PyTorch form of the mHC stream write mixes the streams with broadcast multiply-adds up to this many streams, and
+with a batched matmul above (one tiny GEMM per token): 1024 tokens, 2x2 @ 2x48, 0.16 vs 1.05 ms; at 4 streams the
+matmul was faster."""
+
+# --- kernel limits: what the C++ ops are compiled for ---------------------------------------------------------------
+CPP_MAX_STREAMS = 8
+"""Sinkhorn and the stream read/write ops (kMaxStreams, csrc/kernel_helpers.h: Sinkhorn is compiled per stream
+count)."""
+SITE_READ_MAX_STREAMS = 6
+"""The mHC site read (csrc/site_read.cpp: at most 64 logits, (2 + n) n)."""
+SHORT_CONV_MAX_KERNEL = 16
+"""The short conv + SiLU (csrc/short_conv.cpp)."""
+KDA_RECURRENT_SIZES = (16, 32, 64)
+"""Head sizes the C++ KDA recurrence is compiled for (square; smaller heads are zero-padded up)."""
