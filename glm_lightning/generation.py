@@ -111,8 +111,8 @@ def decode_cache(model: torch.nn.Module, batch: int, length: int) -> ModelCache:
     cache = model.new_cache(batch)
     if length < model.cfg.max_seq_len:
         sized = dataclasses.replace(model.cfg, max_seq_len=length)
-        cache.layers = [DSACache.empty(batch, sized, layer.k.device) if isinstance(layer, DSACache) else layer
-                        for layer in cache.layers]
+        cache.layers = [DSACache.empty(batch, sized, layer.k.device, layer.k.dtype) if isinstance(layer, DSACache)
+                        else layer for layer in cache.layers]
     return cache
 
 

@@ -536,8 +536,8 @@ def test_cpp_recurrent_core_takes_broadcast_gradients_and_rejects_bad_sizes():
 @CPP
 @pytest.mark.parametrize("B,T,Ch,ks", [(2, 7, 5, 4), (2, 37, 144, 4), (1, 70, 576, 4), (2, 9, 20, 2)])
 def test_cpp_short_conv_equals_the_conv2d_path(B, T, Ch, ks, monkeypatch):
-    """ShortConvSiLU (csrc/short_conv.cpp) against the PyTorch channels-last conv2d + SiLU of ops.short_conv: values and the
-    gradients of the input and the weight; fp64 gradcheck."""
+    """ShortConvSiLU (csrc/short_conv.cpp) against the PyTorch channels-last conv2d + SiLU of ops.short_conv: values and
+    the gradients of the input and the weight; fp64 gradcheck."""
 
     layer = KDAttention(_cfg(kda_conv_size=ks))
     gen = torch.Generator().manual_seed(T)
@@ -580,7 +580,7 @@ def test_decode_step_in_place_equals_recurrent_step():
 
 @pytest.mark.skipif(not cext.available(), reason="C++ ops not available")
 @pytest.mark.parametrize("K", [32, 4])  # compile-time head size, and the generic loop
-def test_fused_delta_step_equals_eager(K):
+def test_cpp_delta_step_equals_eager(K):
     """glm_lightning::delta_step_ (one pass per head, csrc/kda_decode.cpp) equals the eager bmm step: output and the
     state written in place, on strided q/k/v slices of one projection as decoding passes them."""
     gen = torch.Generator().manual_seed(7)
@@ -602,7 +602,7 @@ def test_fused_delta_step_equals_eager(K):
 
 
 @pytest.mark.skipif(not cext.available(), reason="C++ ops not available")
-def test_fused_conv_step_equals_eager_and_the_conv():
+def test_cpp_conv_step_equals_eager_and_the_conv():
     """glm_lightning::conv_step_ equals the eager step (cat, product, sum, SiLU, shift) and the layer's causal conv
     over the whole sequence, and shifts the new input into the buffer."""
     layer = _layer(seed=8)

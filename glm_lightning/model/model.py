@@ -146,8 +146,9 @@ class GLMModel(nn.Module):
     def new_cache(self, batch: int, device: torch.device | None = None) -> ModelCache:
         """Empty decoding cache: constant-size KDA state for 'L' layers, preallocated KV + indexer keys for 'S'."""
         device = device or self.embed.weight.device
+        dtype = self.embed.weight.dtype  # the keys and values DSA caches are the model's activations
         layers: list[LayerCache] = [
-            KDACache.empty(batch, self.cfg, device) if kind == "L" else DSACache.empty(batch, self.cfg, device)
+            KDACache.empty(batch, self.cfg, device) if kind == "L" else DSACache.empty(batch, self.cfg, device, dtype)
             for kind in self.cfg.layer_kinds]
         return ModelCache(layers)
 

@@ -36,5 +36,5 @@ from glm_lightning.model.ops.norm import gated_head_norm, rms_norm
 
 __all__ = ["cpp_loaded", "cpp_ops", "decode_attention", "fill_empty_rows", "gated_head_norm", "index_scores",
            "kda_chunked", "kda_core", "kda_decode_step", "kda_features", "linear", "moe_experts", "moe_route",
-           "reference", "rms_norm", "short_conv", "single_query_attention", "sinkhorn", "site_read", "stream_read", "stream_write",
-           "swiglu_mlp", "topk_mask", "topk_select"]
+           "reference", "rms_norm", "short_conv", "single_query_attention", "sinkhorn", "site_read", "stream_read",
+           "stream_write", "swiglu_mlp", "topk_mask", "topk_select"]

@@ -149,7 +149,8 @@ def moe_route(s: Tensor, bias: Tensor, top_k: int, scale: float) -> tuple[Tensor
 
 def moe_balance_loss(s: Tensor, idx: Tensor, n_experts: int, weight: float) -> Tensor:
     """Sequence-wise balance loss (DeepSeek-V3 eq. 17-20) from s [B, T, E] and idx [B, T, K]:
-    f_i = E / (K T) #{t : i in TopK_t} (no gradient), P_i = mean_t s_i / sum_j s_j, L = weight * mean_b sum_i f_i P_i."""
+    f_i = E / (K T) #{t : i in TopK_t} (no gradient), P_i = mean_t s_i / sum_j s_j,
+    L = weight * mean_b sum_i f_i P_i."""
     B, T, K = idx.shape
     f = torch.stack([torch.bincount(idx[b].reshape(-1), minlength=n_experts) for b in range(B)]).to(s.dtype)
     f = f * n_experts / (K * T)

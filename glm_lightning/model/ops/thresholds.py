@@ -5,13 +5,11 @@ only ever changes speed: both forms compute the same values (within float roundi
 forms of glm_lightning/model/ops/reference.py). Kernel limits (what a C++ op is compiled for) are listed last; they are
 not tuning knobs.
 
-| name | picks | measured |
-|---|---|---|
-| SMALL_ROWS | linear: C++ small_matmul vs BLAS mm, no autograd | decode step, cold weights, 1 thread: 1.3-1.7x at 16 rows, 1.6-2.2x at 1-4, 1.06-1.17x at 32, 0.86-1.09x at 64 |
-| SMALL_TOKENS | MoE experts: small_matmul vs bmm, no autograd | flash-25m's 12 MoE layers, 1 thread: 1.46x at 16 tokens, 1.12x at 64, 1.05x at 96 |
-| SEGMENT_TOKENS, SEGMENT_PADDING | MoE experts: per-expert segments vs the padded batch | 96-prompt RL prefill (largest load 1.8x the mean) 1.26x; balanced flash-25m loads within noise |
-| DECODE_GATHER_MIN_KEYS_PER_TOP_K | DSA decode: gather the top-k keys vs mask all keys | see its docstring (re-measured with the C++ decode ops) |
-| MIX_MAX_STREAMS | mHC stream write (PyTorch form): broadcast multiply-adds vs matmul | 1024 tokens, 2x2 @ 2x48: 0.16 vs 1.05 ms; 4 streams: matmul |
+- SMALL_ROWS: linear without autograd, C++ small_matmul or BLAS mm;
+- SMALL_TOKENS: MoE experts without autograd, small_matmul or bmm;
+- SEGMENT_TOKENS, SEGMENT_PADDING: MoE experts, per-expert segments or the padded batch;
+- DECODE_GATHER_MIN_KEYS_PER_TOP_K: a DSA decode step, gather the top-k keys or mask all keys;
+- MIX_MAX_STREAMS: the PyTorch mHC stream write, broadcast multiply-adds or a batched matmul.
 """
 
 from __future__ import annotations

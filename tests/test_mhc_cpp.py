@@ -1,5 +1,6 @@
-"""The C++ mHC ops (glm_lightning/model/csrc/sinkhorn.cpp, streams.cpp, site_read.cpp) against their PyTorch forms: forward and
-gradients within 1e-5 in fp32, gradcheck in fp64, and a whole training step of the model with and without them."""
+"""The C++ mHC ops (glm_lightning/model/csrc/sinkhorn.cpp, streams.cpp, site_read.cpp) against their PyTorch forms:
+forward and gradients within 1e-5 in fp32, gradcheck in fp64, and a whole training step of the model with and without
+them."""
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(not cext.available(), reason="C++ ops disabled (
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("iters", [1, 5, 20])
-def test_fused_equals_eager_forward_and_backward_fp32(n, iters):
+def test_cpp_equals_eager_forward_and_backward_fp32(n, iters):
     torch.manual_seed(n * 100 + iters)
     # 37 tokens: two full blocks of 16 and a partial one; std 2 gives peaked, slowly converging matrices
     logits = (torch.randn(37, n, n) * 2.0).requires_grad_()
@@ -36,7 +37,7 @@ def test_fused_equals_eager_forward_and_backward_fp32(n, iters):
     assert g_fused.abs().max() > 1e-3  # a real gradient, not two zeros
 
 
-def test_fused_reads_strided_tokens_and_leading_dims():
+def test_cpp_reads_strided_tokens_and_leading_dims():
     """The mHC site passes a slice of its fused logits [B, T, (2+n)n]: token stride != n*n."""
     torch.manual_seed(1)
     n = 4
@@ -54,7 +55,7 @@ def test_fused_reads_strided_tokens_and_leading_dims():
     assert (g_fused[..., :2 * n] == 0).all()  # the gate logits get nothing from Sinkhorn
 
 
-def test_fused_gradcheck_fp64():
+def test_cpp_gradcheck_fp64():
     torch.manual_seed(2)
     logits = torch.randn(19, 3, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: sinkhorn_knopp(x, iters=5, fused=True), (logits,))
@@ -93,7 +94,8 @@ def test_disabled_by_environment(monkeypatch):
 @pytest.mark.parametrize("n", [2, 4])
 def test_stream_ops_equal_the_eager_forms_and_gradcheck(n):
     """csrc/streams.cpp: the read h = sum_i pre_i x_i and the write res x + post^T y against mhc.py's eager forms."""
-    StreamReadFused, StreamWrite, StreamWriteFused = mhc_ops._StreamReadCpp, mhc_ops._StreamWrite, mhc_ops._StreamWriteCpp
+    StreamReadFused, StreamWriteFused = mhc_ops._StreamReadCpp, mhc_ops._StreamWriteCpp
+    StreamWrite = mhc_ops._StreamWrite
     torch.manual_seed(n)
     shapes = ((2, 5, n, n), (2, 5, n, 7), (2, 5, n), (2, 5, 7))
     args = [torch.randn(s, requires_grad=True) for s in shapes]
@@ -113,7 +115,7 @@ def test_stream_ops_equal_the_eager_forms_and_gradcheck(n):
 
 
 @pytest.mark.parametrize("n,dim", [(2, 6), (4, 6), (2, 48), (4, 192)])
-def test_fused_site_read_equals_the_eager_mappings_and_read(n, dim, monkeypatch):
+def test_cpp_site_read_equals_the_eager_mappings_and_read(n, dim, monkeypatch):
     """SiteReadFused (csrc/site_read.cpp: norm, projection, gates and read in one pass; Sinkhorn) against the eager
     composite of `mappings` + `read_streams`, at odd widths and the models' (2 x 48, 4 x 192), 10 tokens (a full and a
     partial block of 8): outputs and the gradients of x, phi, alpha and bias within 1e-5; gradcheck in fp64."""
@@ -154,7 +156,7 @@ def test_fused_site_read_equals_the_eager_mappings_and_read(n, dim, monkeypatch)
 
 
 @pytest.mark.parametrize("n", [1, 5, 8])
-def test_fused_every_compiled_stream_count_and_the_saved_softmax(n):
+def test_cpp_every_compiled_stream_count_and_the_saved_softmax(n):
     """The op is compiled for 1 to 8 streams (csrc/sinkhorn.cpp): each equals the eager form, and the second output
     is the row softmax the backward starts from."""
     torch.manual_seed(n)
