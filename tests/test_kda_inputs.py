@@ -11,7 +11,14 @@ from glm_lightning.model import cext
 from glm_lightning.model.ops import kda_inputs, norm, reference
 
 KDAFeatures, KDAFeaturesCpp = kda_inputs._KDAFeatures, kda_inputs._KDAFeaturesCpp
-GatedHeadNorm, GatedHeadNormCpp = norm._GatedHeadNorm, norm._GatedHeadNormCpp
+GatedHeadNormCpp = norm._GatedHeadNormCpp
+
+
+class GatedHeadNorm:
+    """The gated head norm's PyTorch form (its reference, autograd for the backward), with a Function's ``apply``."""
+
+    apply = staticmethod(reference.gated_head_norm)
+
 
 needs_cpp = pytest.mark.skipif(not cext.available(), reason="C++ ops disabled (GLM_LIGHTNING_EXT=0) or not buildable")
 FEATURES = [KDAFeatures, pytest.param(KDAFeaturesCpp, marks=needs_cpp)]

@@ -62,28 +62,32 @@ def test_cached_generation_with_the_cpp_ops_off_equals_on():
         torch.testing.assert_close(on.logprobs, off.logprobs, rtol=1e-4, atol=1e-5)
 
 
-def _fit_one_step(cpp: bool, tmp_path) -> dict[str, torch.Tensor]:
+def _fit_one_step(cpp: bool, tmp_path) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     pl.seed_everything(0)
-    module = PretrainModule(preset="tiny", dev_eval=False, lr=3e-3, warmup_steps=1)
-    data = CodeCorpusDataModule(families=["increment", "double"], num_examples=8, seq_len=64, batch_size=2,
+    module = PretrainModule(preset="tiny", model_overrides={"max_seq_len": 192}, dev_eval=False, lr=3e-3,
+                            warmup_steps=1)
+    data = CodeCorpusDataModule(families=["increment", "double"], num_examples=8, seq_len=192, batch_size=2,
                                 val_per_family=1, dev_per_family=1)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0, default_root_dir=tmp_path)
     with ops.cpp_ops(cpp):
         trainer.fit(module, datamodule=data)
-    return {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    return trainer.callback_metrics["train/loss"], {n: p.detach().clone() for n, p in module.model.named_parameters()}
 
 
 @needs_cpp
 def test_one_step_lightning_fit_with_the_cpp_ops_off_equals_on(tmp_path):
-    on = _fit_one_step(True, tmp_path / "on")
-    off = _fit_one_step(False, tmp_path / "off")
+    """The same loss, and the same weights after AdamW's first step except where a gradient entry is ~0 and float
+    rounding flips its sign (the first step is ~lr * sign(g)): 12 of 100,590 entries here, by at most 3.4e-5."""
+    loss_on, on = _fit_one_step(True, tmp_path / "on")
+    loss_off, off = _fit_one_step(False, tmp_path / "off")
+    torch.testing.assert_close(loss_off, loss_on, rtol=1e-5, atol=1e-5)
     torch.manual_seed(0)
-    start = dict(GLMModel(GLMConfig.preset("tiny")).named_parameters())
+    start = dict(GLMModel(GLMConfig.preset("tiny", max_seq_len=192)).named_parameters())
     assert any(not torch.equal(on[n], start[n]) for n in on)  # the step changed the weights
-    for name in on:
-        torch.testing.assert_close(off[name], on[name], rtol=1e-4, atol=1e-5, msg=name)
+    diffs = torch.cat([(off[n] - on[n]).abs().flatten() for n in on])
+    assert float(diffs.max()) < 1e-4 and int((diffs > 1e-6).sum()) < 1e-3 * diffs.numel()
 
 
 def test_bfloat16_model_runs_through_the_pytorch_forms():

@@ -63,7 +63,7 @@ class KDACache:
         autograd records them (or the buffers are inference tensors outside inference mode)."""
         state = state if state.dtype == torch.float32 else state.float()
         if state.requires_grad or conv_state.requires_grad or not self.writable():
-            self.conv_state, self.state = conv_state.contiguous(), state
+            self.conv_state, self.state = conv_state.contiguous(), state.contiguous()  # decode steps write in place
         else:
             self.conv_state.copy_(conv_state)
             self.state.copy_(state)

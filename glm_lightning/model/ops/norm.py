@@ -1,9 +1,11 @@
 """RMSNorm and KDA's gated head norm (references: ``reference.rms_norm``, ``reference.gated_head_norm``).
 
 y = w * x / sqrt(mean(x^2) + eps), computed in fp32 (fp64 stays fp64) and cast back. The C++ ops (csrc/rms_norm.cpp)
-are one pass each way. The PyTorch form of the weighted and unweighted norm is :class:`_RMSNorm`, kept beside them
-with its hand-written backward: with autograd recording, ``F.rms_norm`` on a CPU falls back to the composite
-pow/mean/add/rsqrt/mul chain, and its PowBackward0 alone was ~15% of a flash-25m backward pass.
+are one pass each way. The PyTorch form of the norm is :class:`_RMSNorm`, kept beside them with its hand-written
+backward: with autograd recording, ``F.rms_norm`` on a CPU falls back to the composite pow/mean/add/rsqrt/mul chain,
+and its PowBackward0 alone was ~15% of a flash-25m backward pass; the reference form with autograd made a study-model
+training step without the C++ ops 1.25x slower (benchmarks/bench_twins.py). The gated head norm's PyTorch form is its
+reference (a hand-written twin measured 1.11x, within the noise of the shared machine, and went).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import functools
 import torch
 from torch import Tensor
 
-from glm_lightning.model.ops import backend
+from glm_lightning.model.ops import backend, reference
 
 
 @functools.lru_cache(maxsize=16)
@@ -79,40 +81,9 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-class _GatedHeadNorm(torch.autograd.Function):
-    """(o [B, T, H, K], gate [B, T, H*K], weight [K], eps) -> RMSNorm(o) * weight * sigmoid(gate) as [B, T, H*K].
-
-    Backward: with xh = o * rstd, sg = sigmoid(gate):  dgate = sigmoid'(dy * xh * w),  dn = dy * sg,
-    dw = sum(dn * xh),  do = rstd * (dn w - xh * mean(dn w xh)).
-    """
-
-    @staticmethod
-    def forward(ctx, o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
-        B, T, H, K = o.shape
-        norm = torch.linalg.vector_norm(o, dim=-1, keepdim=True)
-        rstd = torch.addcmul(eps_tensor(eps, o.dtype, o.device), norm, norm, value=1.0 / K).rsqrt_()  # as RMSNorm
-        xh = o * rstd
-        xw = xh * weight
-        sg = torch.sigmoid(gate.view(B, T, H, K))
-        ctx.save_for_backward(xh, rstd, weight, xw, sg)
-        return (xw * sg).view(B, T, H * K)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):  # type: ignore[override]
-        xh, rstd, weight, xw, sg = ctx.saved_tensors
-        B, T, H, K = xh.shape
-        dy = dy.reshape(B, T, H, K)
-        dgate = torch.ops.aten.sigmoid_backward(dy * xw, sg).view(B, T, H * K)
-        dn = dy * sg
-        dw = (dn * xh).sum(dim=(0, 1, 2))
-        dxw = dn.mul_(weight)
-        do = torch.addcmul(dxw, xh, (dxw * xh).sum(-1, keepdim=True), value=-1.0 / K).mul_(rstd)
-        return do, dgate, dw, None
-
-
 class _GatedHeadNormCpp(torch.autograd.Function):
-    """:class:`_GatedHeadNorm` as the C++ ops of csrc/rms_norm.cpp: one pass each way (the rstd and the gate sigmoid
-    recomputed in the backward) instead of ~8 and ~10 ATen ops per layer."""
+    """RMSNorm_head(o) * weight * sigmoid(gate) as the C++ ops of csrc/rms_norm.cpp: one pass each way (the rstd and the
+    gate sigmoid recomputed in the backward) instead of ~8 and ~10 ATen ops per layer."""
 
     @staticmethod
     def forward(ctx, o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:  # type: ignore[override]
@@ -132,5 +103,6 @@ def gated_head_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tens
     """KDA's output norm RMSNorm_head(o) * weight * sigmoid(gate): o [B, T, H, K] (fp32), gate [B, T, H*K] ->
     [B, T, H*K] fp32."""
     gate = gate if gate.dtype == torch.float32 else gate.float()
-    fn = _GatedHeadNormCpp if backend.takes(o, gate, weight) else _GatedHeadNorm
-    return fn.apply(o, gate, weight, eps)
+    if backend.takes(o, gate, weight):
+        return _GatedHeadNormCpp.apply(o, gate, weight, eps)
+    return reference.gated_head_norm(o, gate, weight, eps)
