@@ -40,8 +40,10 @@ there the two were within noise of each other)."""
 DECODE_GATHER_MIN_KEYS_PER_TOP_K = 4
 """A DSA decode step (one query per row) gathers its top-k keys and values once the cache holds at least this many
 times top_k keys; below, it attends over all keys under the top-k mask. Both give the same result. First set with
-SDPA (B=16, top_k=64: mask 1.7 vs gather 3.2 ms at 101 keys, gather 4.5 vs mask 5.7 ms at 501 keys); re-measured
-with the C++ decode ops in docs/performance.md ("The ops layer")."""
+SDPA (B=16, top_k=64: mask 1.7 vs gather 3.2 ms at 101 keys, gather 4.5 vs mask 5.7 ms at 501 keys). Re-measured
+with the C++ decode ops (one flash-25m DSA layer, 16 rows, 1 thread, `python -m benchmarks.bench_decode_gather`):
+gather/mask 1.16x at 100 keys, 1.22x at 160, 0.90x at 256, 1.06x at 384, 0.96x at 512 (a loaded machine; see
+docs/performance.md, "The ops layer")."""
 
 MIX_MAX_STREAMS = 2
 """The PyTorch form of the mHC stream write mixes the streams with broadcast multiply-adds up to this many streams, and
