@@ -40,37 +40,6 @@ from glm_lightning.model.rope import RotaryEmbedding, apply_rotary
 __all__ = ["DSACache", "LightningIndexer", "SparseAttention", "head_summed_attention_probs", "indexer_kl_loss"]
 
 
-class LightningIndexer(nn.Module):
-    """The V3.2 lightning indexer: ``H_I`` ReLU heads against one shared LayerNorm'd key, per-token head weights."""
-
-    def __init__(self, cfg: GLMConfig) -> None:
-        super().__init__()
-        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.index_rope_dim
-        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, self.head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(self.head_dim, eps=cfg.norm_eps)
-        self.w_proj = nn.Linear(cfg.d_model, self.n_heads, bias=False)
-        self.w_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
-        self.rope = RotaryEmbedding(self.rope_dim, cfg.max_seq_len, cfg.rope_base) if self.rope_dim > 0 else None
-
-    def query(self, x: torch.Tensor, positions: torch.Tensor | range) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q_I [B, H_I, T, D_I]`` (RoPE on the first rope_dim channels) and scaled weights ``w [B, T, H_I]``."""
-        B, T, _ = x.shape
-        q = linear(x, self.q_proj.weight).view(B, T, self.n_heads, self.head_dim)
-        if self.rope is not None:
-            cos, sin = self.rope.cos_sin(positions)
-            q = apply_rotary(q, cos[:, None], sin[:, None])
-        return q.transpose(1, 2), linear(x, self.w_proj.weight) * self.w_scale
-
-    def key(self, x: torch.Tensor, positions: torch.Tensor | range) -> torch.Tensor:
-        """The shared indexer key ``k_I = RoPE(LayerNorm(W_k x))``: ``[B, T, D_I]``."""
-        k = self.k_norm(linear(x, self.k_proj.weight))
-        if self.rope is not None:
-            cos, sin = self.rope.cos_sin(positions)
-            k = apply_rotary(k, cos, sin)
-        return k
-
-
 class SparseAttention(nn.Module):
     """DSA token mixer: QK-normed MHA/GQA attention over the lightning indexer's top-k keys.
 
@@ -224,6 +193,37 @@ class SparseAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, top_k={self.top_k}, "
                 f"rope={'on' if self.rope is not None else 'NoPE'}")
+
+
+class LightningIndexer(nn.Module):
+    """The V3.2 lightning indexer: ``H_I`` ReLU heads against one shared LayerNorm'd key, per-token head weights."""
+
+    def __init__(self, cfg: GLMConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.index_rope_dim
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=cfg.norm_eps)
+        self.w_proj = nn.Linear(cfg.d_model, self.n_heads, bias=False)
+        self.w_scale = self.n_heads ** -0.5 * self.head_dim ** -0.5
+        self.rope = RotaryEmbedding(self.rope_dim, cfg.max_seq_len, cfg.rope_base) if self.rope_dim > 0 else None
+
+    def query(self, x: torch.Tensor, positions: torch.Tensor | range) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q_I [B, H_I, T, D_I]`` (RoPE on the first rope_dim channels) and scaled weights ``w [B, T, H_I]``."""
+        B, T, _ = x.shape
+        q = linear(x, self.q_proj.weight).view(B, T, self.n_heads, self.head_dim)
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(positions)
+            q = apply_rotary(q, cos[:, None], sin[:, None])
+        return q.transpose(1, 2), linear(x, self.w_proj.weight) * self.w_scale
+
+    def key(self, x: torch.Tensor, positions: torch.Tensor | range) -> torch.Tensor:
+        """The shared indexer key ``k_I = RoPE(LayerNorm(W_k x))``: ``[B, T, D_I]``."""
+        k = self.k_norm(linear(x, self.k_proj.weight))
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(positions)
+            k = apply_rotary(k, cos, sin)
+        return k
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------
