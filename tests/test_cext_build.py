@@ -97,3 +97,39 @@ def test_an_interrupt_leaves_no_compiler_running(tmp_path: Path, monkeypatch):
         cext._compile("g++", tuple(srcs), tmp_path / "lib.so", 2)
     assert len(started) == 2 and all(p.returncode is not None for p in started)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.cpp", "b.cpp"]
+
+
+def test_a_timeout_kills_the_compilers_children_too(tmp_path: Path, monkeypatch):
+    """g++ runs cc1plus as a child: a build past BUILD_TIMEOUT_S kills the whole process group, so no compiler is left
+    running as an orphan (a kill of g++ alone left cc1plus compiling for minutes). A fake compiler stands in: a shell
+    script that starts a long-running child, records its pid and waits for it."""
+    import time
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    fake = tmp_path / "fake-gxx"
+    fake.write_text(f"#!/bin/sh\nsleep 60 > /dev/null 2>&1 &\necho $! > {pids}/$$\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(cext, "BUILD_TIMEOUT_S", 1)
+    src = tmp_path / "a.cpp"
+    src.write_text("int f() { return 1; }\n")
+    with pytest.raises(RuntimeError, match="timed out"):
+        cext._compile(str(fake), (src,), tmp_path / "lib.so", 1)
+    children = [int(p.read_text()) for p in pids.iterdir()]
+    assert children
+    for pid in children:
+        for _ in range(100):  # the kill is delivered at once; the exit of the child may take a moment
+            if not _running(pid):
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail(f"the compiler's child {pid} is still running")
+
+
+def _running(pid: int) -> bool:
+    """Whether the process runs (a killed one that its new parent has not reaped yet is a zombie, state Z)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
