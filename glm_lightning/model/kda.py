@@ -70,7 +70,7 @@ class KDAttention(nn.Module):
         self.o_proj = nn.Linear(HK, d, bias=False)
         # per (q heads | k heads) divisor of the L2 norm: sqrt(K) for q (q / |q| * K^-0.5), 1 for k
         self.register_buffer("_qk_rescale", torch.tensor([K ** 0.5] * H + [1.0] * H).view(2 * H, 1), persistent=False)
-        self.register_buffer("_no_aux", torch.zeros(()), persistent=False)  # KDA's aux loss (none), not re-made per call
+        self.register_buffer("_no_aux", torch.zeros(()), persistent=False)  # KDA's aux loss (none), made once
         self.reset_parameters()
 
     @torch.no_grad()
@@ -137,7 +137,8 @@ class KDAttention(nn.Module):
 
     def _projections(self, x: Tensor, cache: KDACache | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The input projections of x [B, T, C]: raw q|k|v [B, T, 3HK] (before the short conv), f = W_f2 f1 + dt_bias
-        [B, T, HK] and b [B, T, H] (fp32, the gates' pre-activations) and the output gate's pre-activation [B, T, HK]."""
+        [B, T, HK] and b [B, T, H] (fp32, the gates' pre-activations) and the output gate's pre-activation
+        [B, T, HK]."""
         H, K = self.n_heads, self.head_dim
         w_qkv, w_small = self._in_weights(cache)
         raw = linear(x, w_qkv)                                                     # [B, T, 3HK] q|k|v
