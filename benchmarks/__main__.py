@@ -3,6 +3,9 @@ numbers saved to benchmarks/results/latest.json.
 
     python -m benchmarks [--quick] [--threads auto|1|2] [--only ops,cext,kda,train,generation,vs_commit,verifier,rl]
 
+The saved file keeps one row per benchmark: a run replaces the rows of the benchmarks it measured (each stamped with
+its time, `measured_utc`) and keeps every other row, so `--only kda` or a failed benchmark never loses the rest.
+
 `--threads auto` (the default) uses glm_lightning.threads.choose_threads: one thread per core that other
 processes do not already keep busy (see that module for why).
 """
@@ -15,11 +18,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from glm_lightning.threads import choose_threads
 
 BENCHES = ("ops", "cext", "kda", "train", "generation", "vs_commit", "verifier", "rl")
+RESULTS = Path(__file__).parent / "results" / "latest.json"
 
 CHILD = """
 import json, sys, importlib, resource, torch
@@ -86,33 +92,69 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="fewer repetitions")
-    p.add_argument("--only", default=",".join(BENCHES))
-    p.add_argument("--threads", default="auto", help="torch threads, or 'auto' (threads.choose_threads)")
-    args = p.parse_args()
-    threads = choose_threads() if args.threads == "auto" else int(args.threads)
-    print(f"threads: {threads} ({args.threads})")
+def read_saved(path: Path) -> dict:
+    """The saved rows ({} when there is no file yet); a file that is not a JSON object is a one-line error, before
+    any benchmark runs (it is never overwritten)."""
+    if not path.exists():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"error: {path} is not readable JSON ({err}); move it away to start a new one") from None
+    if not isinstance(saved, dict):
+        raise SystemExit(f"error: {path} holds no benchmark rows (a JSON object); move it away to start a new one")
+    return saved
+
+
+def save_merged(path: Path, saved: dict, new: dict) -> None:
+    """Write `saved` with the rows of `new` replaced (atomically); nothing new, nothing written."""
+    if not new:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({**saved, **new}, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def run_benches(names: Sequence[str], quick: bool, threads: int) -> tuple[dict, list[str]]:
+    """Each benchmark in its own process: (results by name, names that failed)."""
     results, failed = {}, []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    for name in args.only.split(","):
+    for name in names:
         print(f"\n=== {name} ===", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            rc = subprocess.run([sys.executable, "-c", CHILD, name, "1" if args.quick else "0", str(threads),
+            rc = subprocess.run([sys.executable, "-c", CHILD, name, "1" if quick else "0", str(threads),
                                  f.name], env=env).returncode
             if rc != 0:
                 failed.append(name)
                 continue
-            results[name] = json.load(open(f.name))
+            results[name] = {**json.load(open(f.name)),
+                             "measured_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    return results, failed
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--only", default=",".join(BENCHES), help="comma-separated benchmarks (default: all)")
+    p.add_argument("--threads", default="auto", help="torch threads, or 'auto' (threads.choose_threads)")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown or not names:
+        raise SystemExit(f"error: --only {args.only!r}: choose from {','.join(BENCHES)}")
+    saved = read_saved(RESULTS)
+    threads = choose_threads() if args.threads == "auto" else int(args.threads)
+    print(f"threads: {threads} ({args.threads})")
+    results, failed = run_benches(names, args.quick, threads)
     print("\n=== summary ===")
     print(f"{'benchmark':<16}{'result':<84}{'target'}")
     for row in summary_rows(results):
         print(f"{row[0]:<16}{row[1]:<84}{row[2]}")
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "latest.json").write_text(json.dumps(results, indent=2, default=str))
-    print(f"saved {out / 'latest.json'}")
+    save_merged(RESULTS, saved, results)
+    kept = sorted(set(saved) - set(results))
+    if results:
+        print(f"saved {RESULTS}" + (f" (rows kept from earlier runs: {', '.join(kept)})" if kept else ""))
     if failed:
         sys.exit(f"benchmarks failed: {failed}")
 

@@ -64,10 +64,19 @@ for line in sys.stdin:
 """
 
 
-def export(rev: str, dest: Path) -> None:
-    """The tree of `rev` (its Python sources) written under dest."""
-    data = subprocess.run(["git", "archive", "--format=tar", rev, "glm_lightning"], cwd=ROOT, check=True,
-                          capture_output=True).stdout
+def export(rev: str, dest: Path, root: Path = ROOT) -> None:
+    """The tree of `rev` (its Python sources) written under dest; without the repository's git history (a copy
+    without `.git`, no `git`, an unknown revision) a one-line error says so."""
+    try:
+        done = subprocess.run(["git", "archive", "--format=tar", rev, "glm_lightning"], cwd=root,
+                              capture_output=True)
+    except FileNotFoundError:
+        raise SystemExit("error: bench_vs_commit needs `git` to export the old tree; install git") from None
+    if done.returncode != 0:
+        why = (done.stderr.decode(errors="replace").strip().splitlines() or ["git archive failed"])[-1]
+        raise SystemExit(f"error: bench_vs_commit needs the git history of {root} to export {rev} ({why}); run it "
+                         "in a clone, not in a copy without .git")
+    data = done.stdout
     with tarfile.open(fileobj=BytesIO(data)) as tar:
         tar.extractall(dest, filter="data")
 

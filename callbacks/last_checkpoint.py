@@ -72,7 +72,7 @@ class LastCheckpoint(Callback):
         """Write last.ckpt now (once per optimizer step) and return its path."""
         path = self.directory(trainer) / LAST_NAME
         if self._saved_step != trainer.global_step or self.last_path != path:
-            trainer.save_checkpoint(path)  # Lightning writes the file atomically
+            trainer.save_checkpoint(path, weights_only=False)  # the whole state (a resume needs it); atomic write
             self._saved_step, self.last_path = trainer.global_step, path
             if why:
                 rank_zero_info(f"[last.ckpt] step {trainer.global_step} saved ({why}): {path}")

@@ -3,8 +3,8 @@ stage (LightningCLI, `glm_lightning.stage_cli`), `demo` the end-to-end job behin
 (`docs/sweeps.md`), `generate` samples from a trained checkpoint (`glm_lightning.generate_cli`).
 
 Every command is imported only when it runs, so `python -m glm_lightning --help` answers at once. `main` raises
-like a library; `run` (what `python -m glm_lightning` calls) turns a user error into one line on stderr and exit
-status 2 (`GLM_DEBUG=1` shows the full traceback).
+like a library; `run` (what `python -m glm_lightning` and the installed `glm-lightning` command call) turns a user
+error into one line on stderr and exit status 2 (`GLM_DEBUG=1` shows the full traceback).
 """
 
 from __future__ import annotations

@@ -32,9 +32,17 @@ from callbacks.last_checkpoint import LastCheckpoint  # noqa: E402
 from callbacks.preflight import Preflight, check_run  # noqa: E402
 import datamodules  # noqa: E402,F401
 import glm_lightning.modules  # noqa: E402,F401
+from glm_lightning.modules.base import allow_checkpoint_globals  # noqa: E402
+from glm_lightning.quiet import quiet_known_noise  # noqa: E402
 
 CLI_DEFAULTS: dict[str, Any] = {"subclass_mode_model": True, "subclass_mode_data": True,
                                 "seed_everything_default": 0, "auto_configure_optimizers": False}
+STAGE_COMMANDS = ("fit", "validate", "test")
+NO_ABBREVIATIONS = {"allow_abbrev": False, **{command: {"allow_abbrev": False} for command in STAGE_COMMANDS}}
+"""Parser settings: `--trainer.max_step 10` is a misspelt key (an error naming `max_steps`), never an abbreviation
+of it; the subcommands' parsers take their own settings, hence one entry per command."""
+LIGHTNING_CKPT_PATHS = ("best", "last", "hpc", "registry")
+"""`ckpt_path` values Lightning resolves itself (no file to check)."""
 
 
 class SaveConfigNextToLogs(SaveConfigCallback):
@@ -61,6 +69,19 @@ class GLMCLI(LightningCLI):
             parser.formatter_class = _RawEpilogFormatter(parser.formatter_class)
 
 
+    def _parse_ckpt_path(self) -> None:
+        """`--ckpt_path` resumes (or evaluates) the run this command describes: the file must be a glm-lightning
+        checkpoint of the same model config, else a one-line error (as `init_weights` gives). LightningCLI's own
+        version instead let the checkpoint's hyperparameters replace the config's, so a checkpoint of another model
+        silently switched the run to that model."""
+        command = self.config.get("subcommand")
+        if not command:
+            return
+        config = self.config[command]
+        check_ckpt_path(config.get("ckpt_path"), config.get("model"))
+        if "weights_only" in config and config["weights_only"] is None:  # the allow-list holds what we save
+            config["weights_only"] = True
+
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         if config is not None and config.get("ckpt_path"):
@@ -83,6 +104,22 @@ def choose_run_threads() -> int | None:
     n = use_threads()
     rank_zero_info(f"[threads] {n} intra-op thread(s): the idle cores (OMP_NUM_THREADS overrides)")
     return n
+
+
+def check_ckpt_path(ckpt_path: Any, model: Any) -> None:
+    """Raise a one-line error unless `ckpt_path` (a Lightning keyword such as `last` aside) is a glm-lightning
+    checkpoint of the model config the parsed `model` section (class_path + init_args) builds."""
+    if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_PATHS or "://" in str(ckpt_path):
+        return
+    from glm_lightning.model import GLMConfig
+    from glm_lightning.modules.base import check_same_model, load_checkpoint_file
+
+    ckpt = load_checkpoint_file(ckpt_path)
+    init = model.get("init_args") if hasattr(model, "get") else None
+    if init is None or init.get("preset") is None:
+        return
+    mine = GLMConfig.preset(init.get("preset"), **dict(init.get("model_overrides") or {}))
+    check_same_model(ckpt_path, GLMConfig(**ckpt["glm_config"]), mine)
 
 
 def drop_progress_bars_when_disabled(config: Any) -> None:
@@ -167,10 +204,12 @@ def build_cli(args: ArgsType = None, run: bool = True, exit_on_error: bool = Tru
     if help_wanted:
         set_parsing_settings(docstring_parse_attribute_docstrings=True)
     GLMCLI._help_wanted = help_wanted
+    allow_checkpoint_globals()
+    quiet_known_noise()
     try:
         return GLMCLI(pl.LightningModule, pl.LightningDataModule, save_config_callback=SaveConfigNextToLogs,
-                      save_config_kwargs={"overwrite": True}, args=args,
-                      run=run, parser_kwargs={"exit_on_error": exit_on_error}, **CLI_DEFAULTS)
+                      save_config_kwargs={"overwrite": True}, args=args, run=run,
+                      parser_kwargs={"exit_on_error": exit_on_error, **NO_ABBREVIATIONS}, **CLI_DEFAULTS)
     finally:
         GLMCLI._help_wanted = False
         if help_wanted:
@@ -197,8 +236,10 @@ class _ParseOnly(GLMCLI):
 
 @functools.lru_cache(maxsize=1)
 def _checker() -> Callable[[list[str]], None]:
-    cli = _ParseOnly(pl.LightningModule, pl.LightningDataModule, run=False, parser_kwargs={"exit_on_error": False},
-                     args=[], **CLI_DEFAULTS)
+    allow_checkpoint_globals()
+    quiet_known_noise()
+    cli = _ParseOnly(pl.LightningModule, pl.LightningDataModule, run=False,
+                     parser_kwargs={"exit_on_error": False, **NO_ABBREVIATIONS}, args=[], **CLI_DEFAULTS)
 
     def check(args: list[str]) -> None:
         cfg = cli.parser.parse_args(args)

@@ -13,6 +13,14 @@ UNKNOWN_KEY = re.compile(r"""(?:Option|Key|key) ['"]([\w.@/-]+)['"] (?:is not ac
                          r"""|Unrecognized arguments:\s*(\S+)|[Nn]o action for key ['"]([\w.@/-]+)['"]""")
 
 
+PARSER_KEY = re.compile(r'^(\s*)(?:-\s+)?Parser key "([\w.]+)":')
+EXPECTED_TYPE = re.compile(r"Expected a <class '([\w.]+)'>")
+GIVEN_VALUE = re.compile(r"(?:Got value|Given value): (.*)$")
+UNKNOWN_MODEL_FIELDS = re.compile(r"unknown GLMConfig field\(s\) \[([^\]]*)\]")
+BASE_CLASS_PATH = re.compile(r"""Parser key "(model|data)":(?:.|\n)*class_path 'lightning\.Lightning(?:Data)?Module'"""
+                             r"""|Option '(?:\w+\.)?(model|data)' is required""")
+OVERLAY_EXAMPLE = "--config configs/vision_scratch.yaml --config configs/vision_direct.yaml"
+
 WRAPPER_LINES = ("Parser key", "Does not validate", "Subtypes:", "Errors:", "Expected a <class", "Given value",
                  "Problem with given class_path")
 """Lines jsonargparse wraps around the error raised inside a class's __init__."""
@@ -72,9 +80,61 @@ def closest_key(name: str) -> str | None:
     return f"{prefix}.{match[0]}" if prefix else match[0]
 
 
+def wrong_type(text: str) -> str | None:
+    """`KEY: expected TYPE, got VALUE` for a jsonargparse type error (None if `text` is none): the innermost key,
+    dotted through the class_path it sits under (`data.init_args.batch_size`), the types it takes, the value given."""
+    lines = text.splitlines()
+    keys = [(i, len(m.group(1)), m.group(2)) for i, ln in enumerate(lines) if (m := PARSER_KEY.match(ln))]
+    if not keys or not EXPECTED_TYPE.search(text):
+        return None
+    start, indent, _ = keys[-1]
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        block.append(line)
+    types = list(dict.fromkeys(EXPECTED_TYPE.findall("\n".join(block))))
+    if not types:
+        return None
+    parts, previous = [], None
+    for i, _, name in keys:
+        if previous is not None:
+            parts.append("init_args" if any("class_path" in ln for ln in lines[previous:i]) else "")
+        parts.append(name)
+        previous = i
+    key = ".".join(p for p in parts if p)
+    value = next((m.group(1).strip() for ln in block if (m := GIVEN_VALUE.search(ln))), None)
+    names = [t.rsplit(".", 1)[-1] for t in types if t != "NoneType"] + (["null"] if "NoneType" in types else [])
+    line = f"{key}: expected {' or '.join(names)}" + (f", got {value!r}" if value is not None else "")
+    if value and value.startswith("{") and re.search(r":\S", value):
+        line += " (in YAML a mapping needs a space after each colon: {d_model: 64})"
+    return line
+
+
+def model_field_suggestion(text: str) -> str | None:
+    """The closest GLMConfig field for each unknown `model_overrides` key, as `; did you mean 'x'?`."""
+    found = UNKNOWN_MODEL_FIELDS.search(text)
+    if not found:
+        return None
+    from glm_lightning.model.config import GLMConfig
+
+    fields = [f.name for f in dataclasses.fields(GLMConfig)]
+    names = re.findall(r"'([^']*)'", found.group(1))
+    close = [m[0] for n in names if (m := get_close_matches(n, fields, n=1, cutoff=0.6))]
+    return f"; did you mean {' / '.join(repr(c) for c in close)}?" if close else None
+
+
 def describe(err: BaseException) -> str:
     """One line: the message's core (the innermost reason of a config error), plus the closest key if misspelt."""
     text = str(err) if not isinstance(err, KeyError) else str(err.args[0] if err.args else err)
+    base = BASE_CLASS_PATH.search(text)
+    if base:
+        section = base.group(1) or base.group(2)
+        return (f"the config given names no {section}.class_path: is it an overlay? Give its base config first, "
+                f"e.g. {OVERLAY_EXAMPLE}")
+    typed = wrong_type(text)
+    if typed and not UNKNOWN_KEY.search(text):
+        return typed
     found = UNKNOWN_KEY.search(text)
     where = re.search(r'Parser key "([\w.]+)"', text)
     section = where.group(1) if where else ""
@@ -89,5 +149,5 @@ def describe(err: BaseException) -> str:
     lines = [re.sub(r"^\s*-\s+", "", ln).strip() for ln in text.splitlines()]
     lines = [ln for ln in lines if ln]
     reasons = [ln for ln in lines if not ln.startswith(WRAPPER_LINES)]
-    core = " ".join(reasons or lines)
-    return " ".join(core.split())
+    core = " ".join(" ".join(reasons or lines).split())
+    return core + (model_field_suggestion(core) or "")

@@ -17,7 +17,8 @@ from glm_lightning.model import GLMConfig, GLMModel
 CONF = Path(__file__).parent / "conf"
 TINY = str(CONF / "pretrain_tiny.yaml")
 RL_TINY = str(CONF / "rl_tiny.yaml")
-README = str(Path(__file__).resolve().parent.parent / "README.md")
+ROOT = Path(__file__).resolve().parent.parent
+README = str(ROOT / "README.md")
 
 
 def _save(path: Path, preset: str, **overrides: object) -> str:
@@ -40,7 +41,8 @@ def files(tmp_path_factory) -> dict[str, str]:  # noqa: ANN001
     torch.save({"state_dict": {}}, not_glm)
     return {"tiny": _save(tmp / "tiny.ckpt", "tiny", max_seq_len=192),
             "other": _save(tmp / "other.ckpt", "tiny", max_seq_len=192, d_model=48),
-            "typo": str(typo), "no_start": str(no_start), "not_glm": str(not_glm), "logs": str(tmp / "logs")}
+            "typo": str(typo), "no_start": str(no_start), "not_glm": str(not_glm), "logs": str(tmp / "logs"),
+            "folder": str(tmp)}
 
 
 def _fit(*extra: str, config: str = TINY) -> list[str]:
@@ -55,6 +57,11 @@ CASES = {
     "fit: init_weights is not a checkpoint": (_fit("--model.init_args.init_weights", README), "is not a checkpoint"),
     "fit: init_weights of another model config": (_fit("--model.init_args.init_weights", "@other"),
                                                   "different model config"),
+    "fit: ckpt_path of another model config": (_fit("--ckpt_path", "@other"), "different model config"),
+    "fit: ckpt_path is not a checkpoint": (_fit("--ckpt_path", README), "README.md is not a checkpoint"),
+    "fit: ckpt_path is a folder": (_fit("--ckpt_path", "@folder"), "is a folder, not a checkpoint file"),
+    "fit: ckpt_path does not exist": (_fit("--ckpt_path", "no/such.ckpt"), "checkpoint not found: no/such.ckpt"),
+    "generate: ckpt is a folder": (["generate", "--ckpt", "@folder"], "is a folder, not a checkpoint file"),
     # prompts and sequences
     "generate: empty prompt": (["generate", "--ckpt", "@tiny", "--prompt", ""], "prompt is empty"),
     "generate: blank prompt": (["generate", "--ckpt", "@tiny", "--prompt", "   "], "prompt is empty"),
@@ -78,6 +85,18 @@ CASES = {
                                 "did you mean 'model.init_args.warmup_steps'"),
     "fit: misspelt key in the YAML file": (_fit(config="@typo"), "did you mean 'model.init_args.lr'"),
     "fit: missing config file": (["fit", "--config", "no/such.yaml"], "does not exist"),
+    "fit: abbreviated key": (_fit("--trainer.max_step", "3"), "unknown config key 'trainer.max_step'; did you mean "
+                                                               "'trainer.max_steps'?"),
+    "fit: value of the wrong type": (_fit("--data.init_args.batch_size", "1.5"),
+                                     "data.init_args.batch_size: expected int, got '1.5'"),
+    "fit: misspelt model_overrides field": (_fit("--model.init_args.model_overrides", "{d_modl: 64}"),
+                                            "unknown GLMConfig field(s) ['d_modl']; did you mean 'd_model'?"),
+    "fit: YAML mapping without spaces": (_fit("--model.init_args.model_overrides", "{d_model:64}"),
+                                         "a mapping needs a space after each colon"),
+    "fit: an overlay alone": (["fit", "--config", str(ROOT / "configs" / "vision_direct.yaml")],
+                              "is it an overlay? Give its base config first"),
+    "fit: a demo overlay alone": (["fit", "--config", str(ROOT / "configs" / "demo" / "pretrain.yaml")],
+                                  "is it an overlay?"),
     # configs that would fail late or silently
     "fit: monitored key never logged": (_fit("--trainer.callbacks+=ModelCheckpoint",
                                              "--trainer.callbacks.monitor=val/dev_pass",
@@ -89,6 +108,8 @@ CASES = {
                                                  "--trainer.callbacks.train=[model.blocks.11.*]", config=RL_TINY),
                                             "closest names: model.blocks.1.*"),
     "fit: continuing stage without init_weights": (_fit(config="@no_start"), "init_weights is not set"),
+    "fit: the start-weights hint names the same model": (_fit(config="@no_start"),
+                                                         "(preset 'tiny' with model_overrides {'max_seq_len': 192})"),
     # commands
     "unknown command": (["frobnicate"], "unknown command 'frobnicate'"),
     "demo: broken chain": (["demo", "--stages", "vision,rl"], "prefix"),

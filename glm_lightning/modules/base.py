@@ -40,20 +40,81 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() < 2 or any(marker in name for marker in NO_DECAY_MARKERS)
 
 
-def read_checkpoint(path: str | Path) -> tuple[GLMConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """Model config, model weights and the whole checkpoint dict of any glm-lightning stage (or a raw export)."""
+CHECKPOINT_GLOBALS: tuple[type, ...] = ()
+"""Every non-builtin type a glm-lightning checkpoint may hold (`checkpoint_globals`): the settings dataclasses a stage
+module built in Python (not from YAML) keeps in its hyperparameters. Checkpoints load with `weights_only=True` and
+this allow-list, never with `weights_only=False`."""
+
+
+def checkpoint_globals() -> tuple[type, ...]:
+    """The allow-list of `CHECKPOINT_GLOBALS`, imported on first use (the classes live in modules that import this
+    one)."""
+    global CHECKPOINT_GLOBALS
+    if not CHECKPOINT_GLOBALS:
+        from glm_lightning.evaluation import VerifierSettings
+        from glm_lightning.modules.lr_groups import LrGroup
+        from glm_lightning.rl.config import PolicyLoss, Reward, Sampling
+
+        CHECKPOINT_GLOBALS = (VerifierSettings, Sampling, Reward, PolicyLoss, LrGroup)
+    return CHECKPOINT_GLOBALS
+
+
+def allow_checkpoint_globals() -> None:
+    """Let every `torch.load(..., weights_only=True)` of this process (Lightning's resume included) read the types
+    of `checkpoint_globals`."""
+    torch.serialization.add_safe_globals(list(checkpoint_globals()))
+
+
+def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
+    """The dict of a checkpoint file, read with `weights_only=True` (tensors, builtins and `checkpoint_globals`);
+    a missing file, a folder or a file that is no checkpoint is a ValueError / FileNotFoundError naming it."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a checkpoint file (e.g. {path / 'checkpoints' / 'last.ckpt'})")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(list(checkpoint_globals())):
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - pickle/zip errors of a file that is no checkpoint at all
         raise ValueError(f"{path} is not a checkpoint (torch.load failed: {type(err).__name__})") from None
     if not isinstance(ckpt, dict) or "glm_config" not in ckpt:
         raise ValueError(f"{path} is not a glm-lightning checkpoint (no 'glm_config' entry)")
+    return ckpt
+
+
+def read_checkpoint(path: str | Path) -> tuple[GLMConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Model config, model weights and the whole checkpoint dict of any glm-lightning stage (or a raw export)."""
+    ckpt = load_checkpoint_file(path)
     state = ckpt.get("state_dict", ckpt.get("model_state_dict", {}))
     model_state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
     return GLMConfig(**ckpt["glm_config"]), model_state or state, ckpt
+
+
+def check_same_model(path: str | Path, theirs: GLMConfig, mine: GLMConfig) -> None:
+    """Refuse a checkpoint trained with another model config than this run's (`init_weights` and `--ckpt_path`
+    alike; the vocabulary may differ, the model grows it)."""
+    a, b = theirs.to_dict(), mine.to_dict()
+    diff = {k: (a[k], b[k]) for k in b if k in a and b[k] != a[k] and k != "vocab_size"}
+    if diff:
+        raise ValueError(f"checkpoint {path} was trained with a different model config "
+                         f"(field: checkpoint vs this run): {diff}")
+
+
+SHIPPED_START_CHECKPOINTS = {
+    "flash-25m": "lightning_logs/pretrain/version_0/checkpoints/last.ckpt, which "
+                 "`python -m glm_lightning fit --config configs/pretrain.yaml` writes",
+    "demo": "lightning_logs/demo/pretrain.ckpt, which `python -m glm_lightning demo --stages pretrain` writes",
+}
+"""Where the documented pre-training commands leave a checkpoint of each preset (as shipped, no overrides)."""
+
+
+def start_checkpoint_hint(preset: str, overrides: dict[str, Any] | None) -> str:
+    """A checkpoint of the same model config to start from: the documented one, else how to make one."""
+    if not overrides and preset in SHIPPED_START_CHECKPOINTS:
+        return f"e.g. {SHIPPED_START_CHECKPOINTS[preset]}"
+    made = f"preset {preset!r}" + (f" with model_overrides {dict(overrides)}" if overrides else "")
+    return f"a checkpoint of a run with the same model ({made})"
 
 
 class StageModule(pl.LightningModule):
@@ -104,10 +165,10 @@ class StageModule(pl.LightningModule):
     def check_start_weights(self) -> None:
         """Refuse to train or evaluate a continuing stage that was not told where its weights come from."""
         if self.hparams.get("init_weights") == INIT_WEIGHTS_REQUIRED and not self.starts_from_scratch:
+            hint = start_checkpoint_hint(self.hparams.get("preset", "flash-25m"), self.hparams.get("model_overrides"))
             raise ValueError(
                 f"{type(self).__name__} continues an earlier stage but model.init_args.init_weights is not set: set it "
-                "to that stage's checkpoint (e.g. lightning_logs/demo/pretrain.ckpt), or to null to start from "
-                "random weights on purpose")
+                f"to that stage's checkpoint ({hint}), or to null to start from random weights on purpose")
 
     def promised_metrics(self, datamodule: Any) -> list[str] | None:
         """Glob patterns of every metric key this stage logs with `datamodule` (None: not declared). The preflight
@@ -145,11 +206,7 @@ class StageModule(pl.LightningModule):
         """Load the shared model's weights (the checkpoint's model config must match this module's), then the
         stage's own through `load_stage_weights`; the file is read once."""
         cfg, state, ckpt = read_checkpoint(path)
-        mine, theirs = self.glm_config.to_dict(), cfg.to_dict()
-        diff = {k: (theirs[k], mine[k]) for k in mine if k in theirs and mine[k] != theirs[k] and k != "vocab_size"}
-        if diff:
-            raise ValueError(f"checkpoint {path} was trained with a different model config "
-                             f"(field: checkpoint vs this run): {diff}")
+        check_same_model(path, cfg, self.glm_config)
         if "lm_head.weight" in state:  # the checkpoint's stage (e.g. RL) trained an untied output head
             self.model.untie_head()
         self.model.load_state_dict(state, strict=strict)

@@ -1,0 +1,47 @@
+"""Precise filters for the messages every run printed that a user can neither act on nor needs: each names the
+exact message it drops and why, so anything else the libraries say still shows.
+
+- Lightning's "LightningCLI's args parameter is intended to run from within Python...": the demo and the sweep's
+  config check hand the stage CLI its arguments on purpose while sys.argv holds their own;
+- Lightning's tips to install `litlogger` / `litmodels` (cloud services; this lab runs offline);
+- torch's "`isinstance(treespec, LeafSpec)` is deprecated", raised inside Lightning's own pytree helper;
+- Lightning's "Your `IterableDataset` has `__len__` defined": the project's corpora are iterable datasets with a
+  known length, served by one loader process (the warning concerns several workers).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+DROPPED_WARNINGS = (
+    r"LightningCLI's args parameter is intended to run from within Python",
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"Your `IterableDataset` has `__len__` defined",
+)
+"""Regular expressions matched against the start of a warning's message."""
+
+DROPPED_TIPS = ("litlogger", "litmodels")
+"""Lightning's "💡 Tip: ... try installing [litlogger]" / "[litmodels]" log records."""
+
+TIP_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+"""The loggers Lightning's rank_zero_info writes through."""
+
+
+class _NoInstallTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("💡 Tip") and any(f"[{name}]" in message for name in DROPPED_TIPS))
+
+
+_TIP_FILTER = _NoInstallTips()
+
+
+def quiet_known_noise() -> None:
+    """Install the filters (idempotent: a filter already in place is not added twice)."""
+    for pattern in DROPPED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    for name in TIP_LOGGERS:
+        logger = logging.getLogger(name)
+        if _TIP_FILTER not in logger.filters:
+            logger.addFilter(_TIP_FILTER)
