@@ -191,7 +191,7 @@ def summary(stages: list[StageResult], stable: Path = STABLE) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[StageResult]:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m glm_lightning demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-steps", type=int, default=None, help="override the pre-training steps")
@@ -200,7 +200,11 @@ def main(argv: list[str] | None = None) -> list[StageResult]:
     p.add_argument("--dry-run", action="store_true",
                    help="check every stage config and print the stage commands; train nothing, write nothing")
     p.add_argument("--stages", default="pretrain,vision,rl", help="comma-separated prefix of the chain to run")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[StageResult]:
+    args = build_parser().parse_args(argv)
     stages_wanted = [s.strip() for s in args.stages.split(",") if s.strip()]
     chain = ["pretrain", "vision", "rl"]
     if not stages_wanted or stages_wanted != chain[: len(stages_wanted)]:

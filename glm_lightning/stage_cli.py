@@ -234,6 +234,41 @@ class _ParseOnly(GLMCLI):
         pass
 
 
+class _ParserOnly(GLMCLI):
+    """Builds the parser with its subcommands (`fit`, `validate`, `test`) and stops: `parse_command` parses."""
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        from jsonargparse import Namespace
+
+        self.config = Namespace(subcommand=None)
+
+    def _set_seed(self) -> None:
+        pass
+
+    def before_instantiate_classes(self) -> None:
+        pass
+
+    def instantiate_classes(self) -> None:
+        pass
+
+    def after_instantiate_classes(self) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=1)
+def _command_parser() -> Any:
+    quiet_known_noise()
+    return _ParserOnly(pl.LightningModule, pl.LightningDataModule, run=True, args=[],
+                       parser_kwargs={"exit_on_error": False, **NO_ABBREVIATIONS}, **CLI_DEFAULTS).parser
+
+
+def parse_command(args: Sequence[str]) -> Any:
+    """Parse a whole stage command (`["fit", "--config", "configs/pretrain.yaml", ...]`) as `python -m glm_lightning`
+    would, instantiating nothing (checkpoints and start weights are not read); raises on a bad key, value or file.
+    The parser is built once per process (tests/test_docs_commands.py parses every documented command with it)."""
+    return _command_parser().parse_args(list(args))
+
+
 @functools.lru_cache(maxsize=1)
 def _checker() -> Callable[[list[str]], None]:
     allow_checkpoint_globals()
