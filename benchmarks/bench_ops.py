@@ -1,5 +1,5 @@
 """ATen ops per training step (fwd + bwd + AdamW), counted with torch.profiler: deterministic, so it is the number
-to compare across commits on a noisy machine. Targets of issue #14: <= 20,000 (flash-25m, 32 x 128) and <= 4,000
+to compare across commits on a noisy machine. Targets: <= 20,000 (flash-25m, 32 x 128) and <= 4,000
 (the study model, 8 x 128).
 
     python -m benchmarks.bench_ops

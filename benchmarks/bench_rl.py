@@ -1,4 +1,4 @@
-"""RL-sized generation and one tutorial-size RL epoch on flash-25m (issue #14).
+"""RL-sized generation and one tutorial-size RL epoch on flash-25m.
 
 1. **RL-sized generation:** the tutorial's 96 prompts (increment, double, even x 32, rl split) x 16 samples x 48 new
    tokens at T = 0.35, every row in one prefill and one decode loop; generated tokens/s and peak RSS.

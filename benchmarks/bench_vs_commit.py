@@ -27,7 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_REV = "11d912b"
-"""main before the speed work of issue #14."""
+"""main before the speed work (docs/performance.md)."""
 
 WORKER = r"""
 import sys, time, resource, torch

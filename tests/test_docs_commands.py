@@ -173,3 +173,23 @@ def test_a_checkpoint_no_command_writes_is_caught():
     assert is_written("lightning_logs/pretrain/version_0/checkpoints/every/step80.ckpt", patterns)
     assert not is_written("lightning_logs/pretrain/version_0/checkpoints/every/step100.ckpt", patterns)
     assert not is_written("lightning_logs/nosuch/version_0/checkpoints/last.ckpt", patterns)
+
+
+def test_the_rl_studies_quick_mode_logs_their_metrics(tmp_path, monkeypatch):
+    """The README's quick mode for the RL studies (`--set trainer.limit_train_batches=1 --set
+    data.init_args.eval_per_family=2`) ends the epoch, so the run logs the metrics the studies compare (with
+    `trainer.max_steps=1` it logged none). Random start weights and short completions keep the run small."""
+    from glm_lightning.cli import run
+    from glm_lightning.sweep.events import read_scalars
+
+    readme = (ROOT / "README.md").read_text()
+    quick = ["trainer.limit_train_batches=1", "data.init_args.eval_per_family=2"]
+    assert all(f"--set {setting}" in readme for setting in quick)
+    study = yaml.safe_load((ROOT / "configs" / "experiments" / "rl_reward.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    args = [f"--{setting}" for setting in quick] + [
+        "--model.init_args.init_weights", "null", "--model.init_args.sampling.max_new_tokens", "8",
+        "--trainer.callbacks.max_new_tokens", "8", "--trainer.enable_checkpointing", "false"]
+    assert run(["fit", "--config", str(ROOT / "configs" / "experiments" / study["base"]), *args]) == 0
+    logged = read_scalars(next(tmp_path.rglob("events.out.tfevents.*")).parent)
+    assert {m["tag"] for m in study["metrics"]} <= set(logged)

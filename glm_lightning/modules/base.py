@@ -240,7 +240,7 @@ class StageModule(pl.LightningModule):
         return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def configure_optimizers(self) -> dict[str, Any]:
-        # torch's fused kernel, step counters shared (glm_lightning/optim.py; study model: 2,573 -> 583 -> 168 ops)
+        # torch's fused kernel with one step counter shared by all parameters (glm_lightning/optim.py)
         opt = AdamW(self.param_groups(), lr=self.hparams.lr, betas=tuple(self.hparams.betas))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_lambda)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
