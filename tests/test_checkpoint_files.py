@@ -12,7 +12,7 @@ import yaml
 
 from glm_lightning.model import GLMConfig
 from glm_lightning.modules import PretrainModule
-from glm_lightning.modules.base import (SHIPPED_START_CHECKPOINTS, checkpoint_globals, read_checkpoint,
+from glm_lightning.modules.base import (CHECKPOINT_GLOBALS, SHIPPED_START_CHECKPOINTS, read_checkpoint,
                                         start_checkpoint_hint)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ def test_a_module_built_in_python_saves_a_checkpoint_that_loads_weights_only(tmp
     path = tmp_path / "python_built.ckpt"
     torch.save({"glm_config": module.glm_config.to_dict(), "hyper_parameters": dict(module.hparams),
                 "state_dict": {f"model.{k}": v for k, v in module.model.state_dict().items()}}, path)
-    assert any(type(v) in checkpoint_globals() for v in module.hparams.values())
+    assert any(type(v) in CHECKPOINT_GLOBALS for v in module.hparams.values())
     with pytest.raises(pickle.UnpicklingError):
         torch.load(path, weights_only=True)  # plain torch: the dataclass is not a tensor
     cfg, state, ckpt = read_checkpoint(path)

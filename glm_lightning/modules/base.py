@@ -28,6 +28,7 @@ import torch
 from glm_lightning.evaluation import VerifierSettings
 from glm_lightning.model import GLMConfig, GLMModel
 from glm_lightning.optim import AdamW
+from glm_lightning.rl.config import PolicyLoss, Reward, Sampling
 
 INIT_WEIGHTS_REQUIRED = "required: a checkpoint path, or null for random weights"
 """Default of `init_weights` for stages that continue an earlier stage (vision, RL): not a path, a reminder."""
@@ -40,33 +41,20 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return param.dim() < 2 or any(marker in name for marker in NO_DECAY_MARKERS)
 
 
-CHECKPOINT_GLOBALS: tuple[type, ...] = ()
-"""Every non-builtin type a glm-lightning checkpoint may hold (`checkpoint_globals`): the settings dataclasses a stage
-module built in Python (not from YAML) keeps in its hyperparameters. Checkpoints load with `weights_only=True` and
-this allow-list, never with `weights_only=False`."""
-
-
-def checkpoint_globals() -> tuple[type, ...]:
-    """The allow-list of `CHECKPOINT_GLOBALS`, imported on first use (the classes live in modules that import this
-    one)."""
-    global CHECKPOINT_GLOBALS
-    if not CHECKPOINT_GLOBALS:
-        from glm_lightning.evaluation import VerifierSettings
-        from glm_lightning.modules.lr_groups import LrGroup
-        from glm_lightning.rl.config import PolicyLoss, Reward, Sampling
-
-        CHECKPOINT_GLOBALS = (VerifierSettings, Sampling, Reward, PolicyLoss, LrGroup)
-    return CHECKPOINT_GLOBALS
+CHECKPOINT_GLOBALS: tuple[type, ...] = (VerifierSettings, Sampling, Reward, PolicyLoss)
+"""Every non-builtin type a glm-lightning checkpoint may hold: the settings dataclasses a stage module built in Python
+(not from YAML) keeps in its hyperparameters. Checkpoints load with `weights_only=True` and this allow-list, never
+with `weights_only=False`."""
 
 
 def allow_checkpoint_globals() -> None:
     """Let every `torch.load(..., weights_only=True)` of this process (Lightning's resume included) read the types
-    of `checkpoint_globals`."""
-    torch.serialization.add_safe_globals(list(checkpoint_globals()))
+    of `CHECKPOINT_GLOBALS`."""
+    torch.serialization.add_safe_globals(list(CHECKPOINT_GLOBALS))
 
 
 def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
-    """The dict of a checkpoint file, read with `weights_only=True` (tensors, builtins and `checkpoint_globals`);
+    """The dict of a checkpoint file, read with `weights_only=True` (tensors, builtins and `CHECKPOINT_GLOBALS`);
     a missing file, a folder or a file that is no checkpoint is a ValueError / FileNotFoundError naming it."""
     path = Path(path)
     if path.is_dir():
@@ -74,7 +62,7 @@ def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
-        with torch.serialization.safe_globals(list(checkpoint_globals())):
+        with torch.serialization.safe_globals(list(CHECKPOINT_GLOBALS)):
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - pickle/zip errors of a file that is no checkpoint at all
         raise ValueError(f"{path} is not a checkpoint (torch.load failed: {type(err).__name__})") from None
