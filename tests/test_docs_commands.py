@@ -193,3 +193,16 @@ def test_the_rl_studies_quick_mode_logs_their_metrics(tmp_path, monkeypatch):
     assert run(["fit", "--config", str(ROOT / "configs" / "experiments" / study["base"]), *args]) == 0
     logged = read_scalars(next(tmp_path.rglob("events.out.tfevents.*")).parent)
     assert {m["tag"] for m in study["metrics"]} <= set(logged)
+
+
+def test_the_readmes_parameter_counts_are_current():
+    """The README quotes flash-25m's size; the model's own count keeps it current."""
+    import torch
+
+    from glm_lightning.model import GLMConfig, GLMModel
+
+    with torch.device("meta"):
+        counts = GLMModel(GLMConfig.preset("flash-25m")).num_parameters()
+    quoted = re.search(r"([\d.]+)M parameters, ([\d.]+)M active per token", (ROOT / "README.md").read_text())
+    assert quoted, "the README's flash-25m size line moved"
+    assert quoted.groups() == (f"{counts['total'] / 1e6:.1f}", f"{counts['active'] / 1e6:.1f}")
