@@ -94,7 +94,7 @@ def wrong_type(text: str) -> str | None:
             break
         block.append(line)
     types = list(dict.fromkeys(EXPECTED_TYPE.findall("\n".join(block))))
-    if not types:
+    if not [t for t in types if t != "NoneType"]:  # "Expected a NoneType" alone wraps an error raised in __init__
         return None
     parts, previous = [], None
     for i, _, name in keys:

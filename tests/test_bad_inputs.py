@@ -193,3 +193,14 @@ def test_a_missing_module_of_our_own_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(cli, "main", missing)
     with pytest.raises(ModuleNotFoundError):
         run(["fit"])
+
+
+def test_an_error_raised_in_init_and_wrapped_by_the_parser_is_not_read_as_a_type_error():
+    from glm_lightning.user_errors import describe
+
+    wrapped = ("Parser key \"model\":\n  Does not validate against any of the Union subtypes\n"
+               "  Subtypes: [<class 'NoneType'>, <class 'lightning.pytorch.core.module.LightningModule'>]\n"
+               "  Errors:\n    - Expected a <class 'NoneType'>\n"
+               "    - Problem with given class_path 'glm_lightning.modules.PretrainModule':\n"
+               "        unknown preset 'huge'; choose one of ['demo']\n  Given value type: <class 'dict'>")
+    assert describe(ValueError(wrapped)) == "unknown preset 'huge'; choose one of ['demo']"
