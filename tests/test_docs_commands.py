@@ -19,8 +19,6 @@ STALE = {
                                             "since moved into model.init_args.sampling",
     "docs/results/rl_reward_8seeds.md": "a record of an older tree's runs: reward and sampling_seed have since "
                                         "become model.init_args.reward.kind and model.init_args.sampling.seed",
-    "docs/results/vision.md": "gives the overlays configs/demo/vision_last_block.yaml and configs/demo/pretrain.yaml "
-                              "alone, without their base configs",
 }
 """Files whose commands are known not to parse any more, with why; each must still fail (strict xfail), so a fix
 removes its entry here."""
@@ -159,9 +157,7 @@ def is_written(path: str, patterns: list[tuple[re.Pattern, int]]) -> bool:
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/rl.md", "docs/sweeps.md", "docs/verifier.md", "docs/performance.md",
-                                 pytest.param("docs/results/rl.md", marks=pytest.mark.xfail(
-                                     strict=True, reason="names every/step100.ckpt of a run that kept one every 50 "
-                                                         "steps; configs/pretrain.yaml keeps one every 40"))])
+                                 "docs/results/rl.md"])
 def test_every_checkpoint_path_in_the_guides_is_written_by_a_documented_command(doc):
     patterns = written_checkpoints()
     named = set(re.findall(r"lightning_logs/[\w./-]+?\.ckpt", (ROOT / doc).read_text()))

@@ -390,3 +390,21 @@ def torch_load_step(path: Path) -> int:
 
     return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
 
+
+
+def test_ray_dry_run_without_ray_says_ray_is_missing(tmp_path, monkeypatch):
+    """A dry run of the ray backend checks that Ray imports: without it, the one-line install hint, not "config OK"."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    lines = []
+    with pytest.raises(StudyError, match=r"the ray backend needs Ray: pip install"):
+        run_sweep(["--config", str(STUDY), "--out", str(tmp_path), "--backend", "ray", "--dry-run"], log=lines.append)
+    assert not any("config OK" in ln for ln in lines)

@@ -176,7 +176,10 @@ def run_sweep(argv: list[str], log=print) -> SweepOutcome:  # noqa: ANN001
     stale = stale_runs(specs)
 
     if args.dry_run:
-        from glm_lightning.sweep.runner import read_done
+        from glm_lightning.sweep.runner import import_ray, read_done
+
+        if args.backend == "ray":
+            import_ray()
 
         log(f"[sweep] {study.name}: {len(specs)} runs ({len(study.variants)} variants x {len(study.seeds)} seeds), "
             f"config OK; output {out_dir}")

@@ -346,18 +346,24 @@ def ray_task(spec: RunSpec, threads: int, timeout_s: float | None) -> tuple[int,
     return rc, wall, _collect_files(spec.run_dir)
 
 
+def import_ray() -> Any:
+    """The ray module, or a one-line StudyError saying how to install it (a dry run checks this too, so it never
+    says "config OK" for a backend that cannot start)."""
+    try:
+        import ray
+    except ImportError as err:
+        raise StudyError("the ray backend needs Ray: pip install -e '.[ray]' (or pip install 'ray>=2.40')") from err
+    return ray
+
+
 class RayBackend:
     """One Ray task per run. Connects to `address` (or $RAY_ADDRESS) when given, else starts a local Ray with
     `workers` CPUs. At most `workers` runs are in flight."""
 
     def __init__(self, workers: int, threads: int = 1, timeout_s: float | None = None,
                  address: str | None = None) -> None:
-        try:
-            import ray
-        except ImportError as err:
-            raise StudyError("the ray backend needs Ray: pip install -e '.[ray]' (or pip install 'ray>=2.40')") \
-                from err
-        self.ray = ray
+        self.ray = import_ray()
+        ray = self.ray
         self.workers, self.threads, self.timeout_s = max(1, workers), threads, timeout_s
         address = address or os.environ.get("RAY_ADDRESS") or None
         if not ray.is_initialized():
