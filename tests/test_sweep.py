@@ -292,11 +292,12 @@ def test_make_test_installs_ray_so_ci_runs_the_ray_test():
 
 
 def test_ray_backend(tmp_path):
-    pytest.importorskip("ray")
+    ray = pytest.importorskip("ray")
     outcome = run_sweep(["--config", str(STUDY), "--out", str(tmp_path), "--workers", "2", "--seeds", "1",
                          "--backend", "ray"], log=_quiet)
     assert [r.status for r in outcome.results] == ["done", "done"]
     assert (tmp_path / "sweep_tiny" / "REPORT.md").is_file()
+    assert not ray.is_initialized()  # the local Ray the sweep started is shut down with it (no processes left)
 
 
 # --- stopping, resuming, settings for every run ----------------------------------------------------------------------

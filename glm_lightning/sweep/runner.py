@@ -366,7 +366,8 @@ class RayBackend:
         ray = self.ray
         self.workers, self.threads, self.timeout_s = max(1, workers), threads, timeout_s
         address = address or os.environ.get("RAY_ADDRESS") or None
-        if not ray.is_initialized():
+        self.owns_ray = not ray.is_initialized()  # started (or connected) here, so shut down here after the runs
+        if self.owns_ray:
             kwargs: dict[str, Any] = {"address": address, "log_to_driver": False}
             if address is None:
                 kwargs["num_cpus"] = self.workers * threads
@@ -407,6 +408,9 @@ class RayBackend:
             for ref in inflight:
                 ray.cancel(ref, force=True)
             raise
+        finally:
+            if self.owns_ray:  # a local Ray's processes would otherwise outlive the sweep in the calling process
+                ray.shutdown()
 
 
 def check_metrics(study: Study, result: RunResult) -> None:
