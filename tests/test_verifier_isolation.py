@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from glm_lightning.verifier import Verifier
+from tests.sandbox_probes import SANDBOX_UID, sandbox_files, stray_processes, sysv_objects
 from glm_lightning.verifier.judge import Reply, judge, printable, safe_repr
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +39,6 @@ TOKEN = secrets.token_hex(6)
 MARK = f"VICTIM_MARK_{TOKEN}"
 VICTIM = f"def f(x):\n    # {MARK}\n    return x + 1\n"
 LEGIT = ("def f(x):\n    import collections, heapq, re\n    return x + 1\n", "f", T)
-SANDBOX_UID = 65534
 TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
 # Shared snippets. `_found(s)` is true for any string that contains the victim's marker but is not our own needle.
@@ -251,78 +251,15 @@ assert {cat for _, cat, _ in HOSTILE} == {"leak", "persist", "native", "guard", 
 # --------------------------------------------------------------------------------------------------------------
 # Host inspection
 # --------------------------------------------------------------------------------------------------------------
-def sandbox_files() -> set[str]:
-    """Entries owned by the sandbox uid in the world-writable temp directories (two levels deep).
-
-    Scratch directories of verifier pools (`glm-verifier-*`) are skipped: other processes on this machine may be
-    running their own verifiers; ours is checked separately (it must hold nothing but its `owner` file).
-    """
-    found = set()
-    for top in TEMP_DIRS:
-        stack = [(top, 0)]
-        while stack:
-            path, depth = stack.pop()
-            try:
-                with os.scandir(path) as entries:
-                    for entry in entries:
-                        try:
-                            info = entry.stat(follow_symlinks=False)
-                        except OSError:
-                            continue
-                        if info.st_uid == SANDBOX_UID:
-                            found.add(entry.path)
-                        elif entry.is_dir(follow_symlinks=False) and depth < 1 and \
-                                not entry.name.startswith("glm-verifier-"):
-                            stack.append((entry.path, depth + 1))
-            except OSError:
-                pass
-    return found
-
-
-def sysv_objects() -> set[str]:
-    found = set()
-    for kind in ("shm", "sem", "msg"):
-        try:
-            lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        found |= {f"{kind}:{line.split()[1]}" for line in lines if line.split()}
-    return found
-
-
-def stray_processes(verifier: Verifier) -> list[str]:
-    """Descendants of this process that are not the verifier's launcher/zygote pairs, plus zombies."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            table[int(entry)] = (int(stat[1]), stat[0], cmd)
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    stray, stack = [], [os.getpid()]
-    while stack:
-        for pid in children.get(stack.pop(), []):
-            _, state, cmd = table[pid]
-            if state == "Z" or not ("launcher.py" in cmd or "zygote.py" in cmd):
-                stray.append(f"{pid} {state} {cmd[:80]}")
-            stack.append(pid)
-    return stray
-
-
 @pytest.fixture(scope="module")
 def baseline():
-    return {"files": sandbox_files(), "sysv": sysv_objects()}
+    return {"files": sandbox_files(TEMP_DIRS, 1), "sysv": sysv_objects()}
 
 
 def assert_no_leftovers(verifier: Verifier, baseline: dict, context: str) -> None:
-    assert sandbox_files() - baseline["files"] == set(), f"{context}: files left by the sandbox uid"
+    assert sandbox_files(TEMP_DIRS, 1) - baseline["files"] == set(), f"{context}: files left by the sandbox uid"
     assert sysv_objects() - baseline["sysv"] == set(), f"{context}: SysV IPC objects left"
-    assert stray_processes(verifier) == [], f"{context}: processes left"
+    assert stray_processes() == [], f"{context}: processes left"
     assert sorted(os.listdir(verifier._pool.scratch)) == ["owner"], f"{context}: host scratch not empty"
 
 
@@ -516,7 +453,7 @@ def test_sigkill_of_the_caller_leaves_nothing_after_the_next_start(baseline):
         assert v.check(*LEGIT).passed
     assert not os.path.exists(info["scratch"])
     assert not any(_alive(pid) for pid in info["servers"])
-    assert sandbox_files() - baseline["files"] == set()
+    assert sandbox_files(TEMP_DIRS, 1) - baseline["files"] == set()
     assert sysv_objects() - baseline["sysv"] == set()
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from glm_lightning.verifier import Verifier, WeakerSandboxError
+from tests.sandbox_probes import SANDBOX_UID, sandbox_files, stray_processes, sysv_objects
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/key-users").exists(),
                                 reason="raw syscall numbers below are x86_64; needs Linux keyrings")
@@ -43,7 +44,6 @@ TOKEN = secrets.token_hex(6)
 MARK = f"SECRET_MARK_{TOKEN}"
 VICTIM = f"def f(x):\n    # {MARK}\n    return x + 1\n"
 LEGIT = ("import collections, heapq, re\ndef f(x):\n    return x + 1\n", "f", T)
-SANDBOX_UID = 65534
 PROBE = os.path.join(sysconfig.get_paths()["stdlib"], "pydoc_data", "topics.py")  # visible in the private root
 WRITABLE_HOST_PLACES = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/lock")
 SECRET_ENV = "GLM_VERIFIER_TEST_SECRET"
@@ -287,71 +287,12 @@ assert len(SINGLE) + len(CHANNELS) >= 25 and len({n for n, *_ in SINGLE + CHANNE
 # --------------------------------------------------------------------------------------------------------------
 # Judging from outside the sandbox
 # --------------------------------------------------------------------------------------------------------------
-def sandbox_files() -> set[str]:
-    """Files and directories of the sandbox uid below the host's writable places, nested ones included (depth 6).
-    Other verifier pools' scratch directories are skipped (other processes may run their own verifiers)."""
-    found = set()
-    for top in WRITABLE_HOST_PLACES:
-        stack = [(top, 0)]
-        while stack:
-            path, depth = stack.pop()
-            try:
-                with os.scandir(path) as entries:
-                    for entry in entries:
-                        try:
-                            info = entry.stat(follow_symlinks=False)
-                        except OSError:
-                            continue
-                        if info.st_uid == SANDBOX_UID:
-                            found.add(entry.path)
-                        elif entry.is_dir(follow_symlinks=False) and depth < 6 and \
-                                not entry.name.startswith("glm-verifier-"):
-                            stack.append((entry.path, depth + 1))
-            except OSError:
-                pass
-    return found
-
-
-def sysv_objects() -> set[str]:
-    found = set()
-    for kind in ("shm", "sem", "msg"):
-        try:
-            lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        found |= {f"{kind}:{line.split()[1]}" for line in lines if line.split()}
-    return found
-
-
 def sandbox_keys() -> str:
     """The sandbox uid's line of /proc/key-users (key counts and quota use), '' when it owns no keys."""
     for line in Path("/proc/key-users").read_text().splitlines():
         if line.strip().startswith(f"{SANDBOX_UID}:"):
             return line.strip()
     return ""
-
-
-def stray_processes() -> list[str]:
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            table[int(entry)] = (int(stat[1]), stat[0], cmd)
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    stray, stack = [], [os.getpid()]
-    while stack:
-        for pid in children.get(stack.pop(), []):
-            _, state, cmd = table[pid]
-            if state == "Z" or not ("launcher.py" in cmd or "zygote.py" in cmd):
-                stray.append(f"{pid} {state} {cmd[:80]}")
-            stack.append(pid)
-    return stray
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -385,12 +326,13 @@ def warm_probe() -> None:
 
 
 def snapshot() -> dict:
-    return {"files": sandbox_files(), "sysv": sysv_objects(), "keys": sandbox_keys(),
+    return {"files": sandbox_files(WRITABLE_HOST_PLACES, 6), "sysv": sysv_objects(), "keys": sandbox_keys(),
             "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 
 
 def assert_host_untouched(verifier: Verifier, before: dict, context: str) -> None:
-    assert sandbox_files() - before["files"] == set(), f"{context}: files left by the sandbox uid"
+    assert sandbox_files(WRITABLE_HOST_PLACES, 6) - before["files"] == set(), \
+        f"{context}: files left by the sandbox uid"
     assert sysv_objects() - before["sysv"] == set(), f"{context}: SysV IPC objects left"
     assert sandbox_keys() == before["keys"], f"{context}: the sandbox uid's kernel keys changed"
     assert stray_processes() == [], f"{context}: processes left"
