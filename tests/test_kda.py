@@ -322,7 +322,8 @@ def test_gate_bounds_and_unit_norms():
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
         raw, f, b, _ = layer._projections(x, None)
-        q, k, v, g, beta = layer._features(ops.short_conv(raw, layer.conv.weight)[0], f, b, None)
+        q, k, v, g, beta = ops.kda_features(ops.short_conv(raw, layer.conv.weight)[0], f, b, layer.A_log,
+                                            layer._qk_rescale, layer.lower_bound)
         assert ((g >= cfg.kda_gate_lower_bound) & (g <= 0)).all() and (g < -1e-6).any() and (g > -4.99).any()
         assert ((beta > 0) & (beta < 1)).all()
         torch.testing.assert_close(k.norm(dim=-1), torch.ones_like(k[..., 0]))

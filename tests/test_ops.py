@@ -32,6 +32,20 @@ def _kda_inputs() -> tuple[torch.Tensor, ...]:
     return q, k, _randn(B, T, H, K), g, torch.sigmoid(_randn(B, T, H)), _randn(B, H, K, K)
 
 
+def _kda_sequence_inputs(cached: bool) -> tuple:
+    """The layer-level inputs of ``kda_sequence`` (H 2, K 8, ks 4), row 1 left-padded by 3; with the cached states
+    of an earlier prefix when ``cached``."""
+    B, T, H, K, ks = 2, 13, 2, 8, 4
+    HK = H * K
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :3] = False
+    rescale = torch.tensor([K ** 0.5] * H + [1.0] * H).view(2 * H, 1)
+    cache = (_randn(B, ks - 1, 3 * HK), _randn(B, H, K, K, scale=0.3)) if cached else (None, None)
+    return (_randn(B, T, 3 * HK), _randn(B, T, HK), _randn(B, T, H), _randn(B, T, HK), valid,
+            _randn(3 * HK, 1, ks, scale=0.5), _randn(H, scale=0.5), rescale, -5.0, 4, 1.0 + _randn(K, scale=0.1),
+            1e-5, *cache)
+
+
 def _site_inputs(n: int = 4, C: int = 8) -> tuple:
     idx = torch.tensor([0] * n + [1] * n + [2] * n * n)
     return (_randn(3, 5, n, C), _randn((2 + n) * n, n * C, scale=0.3), _randn(3, scale=0.5), _randn((2 + n) * n),
@@ -89,6 +103,10 @@ CASES: list[tuple[str, Callable, Callable, Callable[[], tuple], tuple[int, ...],
               torch.tensor([8 ** 0.5] * 2 + [1.0] * 2).view(4, 1), -5.0), (0, 1, 2, 3), 1e-5),
     ("kda_core", _kda_core_op, reference.kda_recurrent, _kda_inputs, (0, 1, 2, 3, 4, 5), 3e-5),
     ("kda_chunked", _kda_chunked_op, reference.kda_recurrent, _kda_inputs, (0, 1, 2, 3, 4, 5), 3e-5),
+    ("kda_sequence", ops.kda_sequence, reference.kda_sequence, lambda: _kda_sequence_inputs(False),
+     (0, 1, 2, 3, 5, 6, 10), 3e-5),
+    ("kda_sequence_cached", ops.kda_sequence, reference.kda_sequence, lambda: _kda_sequence_inputs(True),
+     (0, 1, 2, 3, 5, 6, 10, 12, 13), 3e-5),
     ("moe_experts", _moe_experts_op, reference.moe_experts, _moe_inputs, (0, 2, 3, 4), 1e-5),
     ("swiglu_mlp", ops.swiglu_mlp, reference.swiglu, lambda: (_randn(9, 16), _randn(24, 16), _randn(16, 12)),
      (0, 1, 2), 1e-5),
@@ -100,7 +118,7 @@ CASES: list[tuple[str, Callable, Callable, Callable[[], tuple], tuple[int, ...],
 def _outputs(fn: Callable, args: tuple, diff: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     args = tuple(a.clone().requires_grad_() if i in diff else a for i, a in enumerate(args))
     outs = fn(*args)
-    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    outs = [o for o in outs if o is not None] if isinstance(outs, tuple) else [outs]
     gen = torch.Generator().manual_seed(1)
     loss = sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs if o.is_floating_point())
     grads = torch.autograd.grad(loss, [args[i] for i in diff], allow_unused=True)

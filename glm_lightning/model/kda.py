@@ -8,8 +8,8 @@ GLM-5.3 "safe gate" (``g = lb * sigmoid(...)``, ``lb = -5``, so every log decay 
       S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,      o_t = S_t^T q_t
 
   step form: ``S *= exp(g_t); e = v_t - S^T k_t; S += k_t (beta_t e)^T; o_t = S^T q_t``
-  (``ops.reference.kda_recurrent``; the fast forms are ``ops.kda_core`` for T tokens, the C++ recurrence or the
-  paper's chunkwise-parallel WY / UT form, and ``ops.kda_decode_step`` for one);
+  (``ops.reference.kda_recurrent``; the layer calls ``ops.kda_sequence`` for T tokens, whose core is the C++
+  recurrence or the paper's chunkwise-parallel WY / UT form, and ``ops.kda_decode_step`` for one);
 * the layer of the paper / fla ``KimiDeltaAttention``: q/k/v projections, a causal depthwise short convolution
   (kernel ``kda_conv_size``) + SiLU, L2-normalised q and k (eps 1e-6), ``q *= d_k^-0.5``, ``beta = sigmoid(W_b x)``,
   the safe gate ``g = lb * sigmoid(exp(A_log) * (W_f2 W_f1 x + dt_bias))`` (``A_log`` init 0, ``dt_bias`` the inverse
@@ -88,52 +88,22 @@ class KDAttention(nn.Module):
 
     def forward(self, x: Tensor, valid: Tensor | None = None, cache: KDACache | None = None) -> tuple[Tensor, Tensor]:
         """x [B, T, C] -> (y [B, T, C], aux loss: a zero scalar, KDA has none; the same contract as DSA's mixer).
-        ``valid`` [B, T] bool (False = pad); ``cache`` is updated in place."""
+        ``valid`` [B, T] bool (False = pad); ``cache`` is updated in place (one token without autograd: the decode
+        step writes into it; otherwise the prefill's final states replace it)."""
         if valid is not None:
             valid = valid.to(device=x.device, dtype=torch.bool)
-        if cache is None:
-            o = self._training(x, valid)
-        elif x.shape[1] == 1 and not torch.is_grad_enabled() and cache.writable():
-            o = self._decode(x, valid, cache)
-        else:
-            o = self._prefill(x, valid, cache)
+        raw, f, b, gate = self._projections(x, cache)
+        layer = (self.conv.weight, self.A_log, self._qk_rescale, self.lower_bound)
+        norm = (self.o_norm.weight, self.o_norm.eps)
+        if cache is None:                                                            # training: whole sequences
+            o, _, _ = ops.kda_sequence(raw, f, b, gate, valid, *layer, self.chunk_size, *norm)
+        elif x.shape[1] == 1 and not torch.is_grad_enabled() and cache.writable():   # decode: one token, in place
+            o = ops.kda_decode_step(raw, f, b, gate, valid, cache.conv_state, cache.state, *layer, *norm)
+        else:                                                                        # prefill: from the cache
+            o, conv_state, S = ops.kda_sequence(raw, f, b, gate, valid, *layer, self.chunk_size, *norm,
+                                                conv_state=cache.conv_state, state=cache.state)
+            cache.update(conv_state, S)
         return linear(o if o.dtype == x.dtype else o.to(x.dtype), self.o_proj.weight), self._no_aux
-
-    def _training(self, x: Tensor, valid: Tensor | None) -> Tensor:
-        """Whole sequences from a zero state: the gated, normed core output [B, T, HK] (fp32)."""
-        raw, f, b, gate = self._projections(x, None)
-        y, _ = ops.short_conv(_masked(raw, valid), self.conv.weight)
-        q, k, v, g, beta = self._features(y, f, b, valid)
-        o, _ = ops.kda_core(q, k, v, g, beta, self.chunk_size, gate_bound=-self.lower_bound)
-        return ops.gated_head_norm(o, gate, self.o_norm.weight, self.o_norm.eps)
-
-    def _prefill(self, x: Tensor, valid: Tensor | None, cache: KDACache) -> Tensor:
-        """T tokens continuing the cached sequences (or one with autograd on): the core from the cached state, then
-        the cache updated (in place, or rebound when autograd records)."""
-        raw, f, b, gate = self._projections(x, cache)
-        y, raw_ext = ops.short_conv(_masked(raw, valid), self.conv.weight, cache.conv_state)
-        q, k, v, g, beta = self._features(y, f, b, valid)
-        o, S = ops.kda_core(q, k, v, g, beta, self.chunk_size, initial_state=cache.state,
-                            gate_bound=-self.lower_bound)
-        cache.update(raw_ext[:, raw_ext.shape[1] - (self.conv_size - 1):], S)
-        return ops.gated_head_norm(o, gate, self.o_norm.weight, self.o_norm.eps)
-
-    def _decode(self, x: Tensor, valid: Tensor | None, cache: KDACache) -> Tensor:
-        """One token per row, written into the cache in place (no autograd)."""
-        raw, f, b, gate = self._projections(x, cache)
-        return ops.kda_decode_step(raw, f, b, gate, valid, cache.conv_state, cache.state, self.conv.weight,
-                                   self.A_log, self._qk_rescale, self.lower_bound, self.o_norm.weight,
-                                   self.o_norm.eps)
-
-    def _features(self, y: Tensor, f: Tensor, b: Tensor, valid: Tensor | None):
-        """q, k (unit norm, q scaled), v, g, beta from the conv output; pads made identity steps of the state."""
-        q, k, v, g, beta = ops.kda_features(_f32(y), f, b, _f32(self.A_log), self._qk_rescale, self.lower_bound)
-        if valid is not None:
-            pad = ~valid
-            k = k.masked_fill(pad[..., None, None], 0.0)
-            g = g.masked_fill(pad[..., None, None], 0.0)
-            beta = beta.masked_fill(pad[..., None], 0.0)
-        return q, k, v, g, beta
 
     def _projections(self, x: Tensor, cache: KDACache | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The input projections of x [B, T, C]: raw q|k|v [B, T, 3HK] (before the short conv), f = W_f2 f1 + dt_bias
@@ -170,8 +140,3 @@ class KDAttention(nn.Module):
 def _f32(t: Tensor) -> Tensor:
     """t in fp32 (``t.float()`` without the no-op op call when it already is)."""
     return t if t.dtype == torch.float32 else t.float()
-
-
-def _masked(raw: Tensor, valid: Tensor | None) -> Tensor:
-    """The raw projections with pads zeroed (what the short conv sees of a pad)."""
-    return raw if valid is None else raw.masked_fill(~valid.unsqueeze(-1), 0.0)

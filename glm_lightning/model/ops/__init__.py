@@ -14,7 +14,8 @@ C++ ops off for a block (GLM_LIGHTNING_EXT=0 never loads them).
 | Sinkhorn-Knopp | ``sinkhorn`` | mhc.py |
 | mHC stream read / write, site read | ``stream_read``, ``stream_write``, ``site_read`` | mhc.py |
 | KDA short conv + SiLU, features | ``short_conv``, ``kda_features`` | kda_inputs.py |
-| KDA core (training, prefill) | ``kda_core`` (chunked form: ``kda_chunked``) | kda_recurrent.py, kda_chunkwise.py |
+| KDA over T tokens (training, prefill): conv, features, core, head norm | ``kda_sequence`` | kda_sequence.py |
+| KDA core (the gated delta rule over T tokens) | ``kda_core`` (chunked form: ``kda_chunked``) | kda_recurrent.py, kda_chunkwise.py |
 | KDA decode step | ``kda_decode_step`` | kda_decode.py |
 | MoE routing, experts, shared expert | ``moe_route``, ``moe_experts``, ``swiglu_mlp`` | moe.py |
 | DSA indexer scores, top-k, decode attention | ``index_scores``, ``topk_mask``, ``topk_select``, ``decode_attention``,
@@ -29,12 +30,13 @@ from glm_lightning.model.ops.kda_chunkwise import kda_chunked
 from glm_lightning.model.ops.kda_decode import kda_decode_step
 from glm_lightning.model.ops.kda_inputs import kda_features, short_conv
 from glm_lightning.model.ops.kda_recurrent import kda_core
+from glm_lightning.model.ops.kda_sequence import kda_sequence
 from glm_lightning.model.ops.matmul import linear
 from glm_lightning.model.ops.mhc import site_read, sinkhorn, stream_read, stream_write
 from glm_lightning.model.ops.moe import moe_experts, moe_route, swiglu_mlp
 from glm_lightning.model.ops.norm import gated_head_norm, rms_norm
 
 __all__ = ["cpp_loaded", "cpp_ops", "decode_attention", "fill_empty_rows", "gated_head_norm", "index_scores",
-           "kda_chunked", "kda_core", "kda_decode_step", "kda_features", "linear", "moe_experts", "moe_route",
+           "kda_chunked", "kda_core", "kda_decode_step", "kda_features", "kda_sequence", "linear", "moe_experts", "moe_route",
            "reference", "rms_norm", "short_conv", "single_query_attention", "sinkhorn", "site_read", "stream_read",
            "stream_write", "swiglu_mlp", "topk_mask", "topk_select"]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glm_lightning.model.ops import backend
-from glm_lightning.model.ops.kda_inputs import kda_features
+from glm_lightning.model.ops.kda_inputs import kda_features, pads_as_identity
 from glm_lightning.model.ops.norm import gated_head_norm
 
 
@@ -70,10 +70,6 @@ def kda_decode_step(raw: Tensor, f: Tensor, b: Tensor, gate: Tensor, valid: Tens
         raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
     y = conv_step_(conv_state, raw, conv_weight)
     q, k, v, g, beta = kda_features(_f32(y), f, b, A_log, rescale, lb)
-    if valid is not None:  # pads are identity steps of the state
-        pad = ~valid
-        k = k.masked_fill(pad[..., None, None], 0.0)
-        g = g.masked_fill(pad[..., None, None], 0.0)
-        beta = beta.masked_fill(pad[..., None], 0.0)
+    k, g, beta = pads_as_identity(k, g, beta, valid)
     o = delta_step_(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state).unsqueeze(1)
     return gated_head_norm(o, gate, norm_weight, norm_eps)

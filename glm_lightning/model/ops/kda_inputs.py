@@ -86,6 +86,17 @@ class _KDAFeaturesCpp(torch.autograd.Function):
         return dy.view(y.shape), df.view(f.shape), db.view(ctx.b_shape), dA, None, None
 
 
+def pads_as_identity(k: Tensor, g: Tensor, beta: Tensor,
+                     valid: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """k, g [B, T, H, K] and beta [B, T, H] with the pad steps (``valid`` False) made identity steps of the state:
+    k = 0, g = 0 (no decay), beta = 0 (no write)."""
+    if valid is None:
+        return k, g, beta
+    pad = ~valid
+    return (k.masked_fill(pad[..., None, None], 0.0), g.masked_fill(pad[..., None, None], 0.0),
+            beta.masked_fill(pad[..., None], 0.0))
+
+
 def kda_features(y: Tensor, f: Tensor, b: Tensor, A_log: Tensor, rescale: Tensor,
                  lb: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k, v [B, T, H, K], g [B, T, H, K], beta [B, T, H] from the conv output y [B, T, 3HK], the gate input f

@@ -134,6 +134,26 @@ def kda_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     return o, S
 
 
+
+def kda_sequence(raw: Tensor, f: Tensor, b: Tensor, gate: Tensor, valid: Tensor | None, conv_weight: Tensor,
+                 A_log: Tensor, rescale: Tensor, lb: float, chunk_size: int, norm_weight: Tensor, norm_eps: float,
+                 conv_state: Tensor | None = None, state: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
+    """A KDA layer between its input and output projections over T tokens: the short conv of the raw q|k|v (pads
+    zeroed), the features (pads made identity steps: k = g = beta = 0), the recurrence from ``state`` (zeros if None),
+    the gated head norm. Returns that output [B, T, HK], the last ks-1 raw inputs (None without ``conv_state``) and
+    the final state. (``chunk_size`` is the fast form's; the recurrence here is token by token.)"""
+    if valid is not None:
+        raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
+    q, k, v, g, beta = kda_features(short_conv(raw, conv_weight, conv_state).float(), f, b, A_log.float(), rescale, lb)
+    if valid is not None:
+        pad = ~valid
+        k, g = k.masked_fill(pad[..., None, None], 0.0), g.masked_fill(pad[..., None, None], 0.0)
+        beta = beta.masked_fill(pad[..., None], 0.0)
+    o, S = kda_recurrent(q, k, v, g, beta, state)
+    ks = conv_weight.shape[-1]
+    next_conv = None if conv_state is None else torch.cat([conv_state.to(raw.dtype), raw], 1)[:, -(ks - 1):]
+    return gated_head_norm(o, gate, norm_weight, norm_eps), next_conv, S
+
 # --- MoE (DeepSeek-V3, arXiv 2412.19437) ----------------------------------------------------------------------------
 
 
