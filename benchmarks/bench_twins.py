@@ -8,6 +8,7 @@ its reference, alternated in one process, median seconds per step and ATen ops p
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 from collections.abc import Iterator
@@ -22,6 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.profile_step import build, count_aten_ops
 from glm_lightning.model import ops
 from glm_lightning.model.ops import kda_chunkwise, mhc, reference
+
+kda_sequence = importlib.import_module("glm_lightning.model.ops.kda_sequence")
+"""The module (``ops.kda_sequence`` is its function): the names the KDA layer's T-token op looks up."""
 
 
 def _chunked_autograd(q, k, v, g, beta, chunk_size=32, initial_state=None, *, gate_bound=None, cpp=None):
@@ -42,12 +46,12 @@ def _scan_autograd(P, R, S0, cpp):
 
 
 SWAPS = {
-    "gated_head_norm": [(ops, "gated_head_norm", reference.gated_head_norm)],
-    "kda_features": [(ops, "kda_features", reference.kda_features)],
+    "gated_head_norm": [(kda_sequence, "gated_head_norm", reference.gated_head_norm)],
+    "kda_features": [(kda_sequence, "kda_features", reference.kda_features)],
     "sinkhorn": [(mhc, "sinkhorn", reference.sinkhorn_knopp)],
     "stream_write": [(ops, "stream_write", reference.stream_write)],
     "rms_norm": [(ops, "rms_norm", reference.rms_norm)],
-    "kda_chunked": [(ops, "kda_core", _chunked_autograd)],
+    "kda_chunked": [(kda_sequence, "kda_core", _chunked_autograd)],
 }
 """Each twin and what replaces it: the reference form, with autograd doing the backward."""
 
