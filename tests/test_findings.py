@@ -303,3 +303,36 @@ def test_a_partial_rerun_never_replaces_the_saved_results(tmp_path):
                      str(tmp_path / "F.md")], log=lambda _m: None).read_text())
     assert "n=10 seeds" in row and "partial: " not in row
     assert (data / "sweep_tiny.json").read_bytes() == before
+
+
+OWN = Claim("1 stream learns as well as 4", "interleaved", effect=0.0, p=1.0, n="", margin=5.0, own=True)
+
+
+@pytest.mark.parametrize("ours, word", [
+    ((0.3, -1.2, 1.5, 0.6, 1.0, 0.001), "equivalent"),
+    ((1.5, 0.8, 2.2, 0.002, 1.0, 0.001), "equivalent (a small difference)"),
+    ((7.0, 5.5, 8.5, 0.002, 1.0, 0.4), "different"),
+    ((1.0, -6.0, 8.0, 0.5, 12.0, 0.3), "inconclusive"),
+])
+def test_the_labs_own_questions_use_their_own_words(ours, word):
+    verdict = judge(OWN, *ours)
+    assert verdict.word == word
+    assert "tutorial" not in verdict.why
+
+
+def test_an_own_question_needs_a_margin_and_gets_its_own_section(tmp_path):
+    own = {"claim": "interleaved is as good as blocked", "variant": "interleaved"}
+    with pytest.raises(StudyError, match="needs `margin`"):
+        load_study(_study_with_claims(tmp_path, [own]))
+    path = _study_with_claims(tmp_path, [CLAIM, {**own, "margin": 20.0}])
+    study = load_study(path)
+    assert [c.own for c in study.claims] == [False, True]
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    write_results(data / "sweep_tiny.json", results_payload(study, _results(study, ACC, runs), "python -m ...", 600.0, 2))
+    text = main(["--studies", str(path), "--runs", str(runs), "--data", str(data), "--out", str(tmp_path / "F.md")],
+                log=lambda _m: None).read_text()
+    tutorial_table, own_table = text.split("## The lab's own questions")
+    assert "| 1 | interleaved beats blocked" in tutorial_table and "| 2 |" not in tutorial_table
+    row = next(line for line in own_table.splitlines() if line.startswith("| 2 |"))
+    assert "interleaved is as good as blocked" in row and "TOST ±20" in row
+    assert "**equivalent (a small difference)**" in row  # +5.4 points, significant, inside ±20

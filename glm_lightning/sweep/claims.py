@@ -30,6 +30,15 @@ The verdict rule (`judge`), stated once so the findings table and its tests use 
   * *inconclusive*: neither ("underpowered" when an effect of the margin's size would be detected less than 80% of
     the time, else the CI reaches beyond ±margin).
 
+**The lab's own questions** (architecture ablations, bf16 parity: no published result to test) are written as a claim
+without `tutorial:`, with a `margin:` (the smallest difference that would matter); the question is "does the variant
+differ from the control by more than ±margin?", judged by the null rule above with its words for our own question:
+*equivalent* (for *reproduced*), *equivalent (a small difference)*, *different* (for *refuted*), *inconclusive*:
+
+      - claim: 1 residual stream learns as well as 4 (mHC)
+        variant: streams1
+        margin: 5.0
+
 The MDE is only what power says: an effect of ±MDE would be detected 80% of the time; which effects the data
 exclude comes from the CI. Our p is Holm-adjusted when the study makes several comparisons (as in its report); the CI
 is the per-comparison interval that inverts the exact sign-flip test.
@@ -66,6 +75,8 @@ class Claim:
     earlier: str = ""
     differs: str = ""
     """How our setting differs from the tutorial's (empty: they match); a size comparison names it."""
+    own: bool = False
+    """The lab's own question (no tutorial result): "no difference beyond ±margin", judged by the null rule."""
 
     @property
     def is_null(self) -> bool:
@@ -75,7 +86,8 @@ class Claim:
 
 @dataclass(frozen=True)
 class Verdict:
-    word: str  # reproduced / refuted / equivalent (a small difference) / inconclusive
+    word: str  # reproduced / refuted / equivalent (a small difference) / inconclusive; own questions: equivalent,
+    # equivalent (a small difference), different, inconclusive
     why: str
 
 
@@ -97,10 +109,12 @@ def parse_claims(path: Path, raw: Any, variants: list[str], control: str, tags: 
         if not isinstance(entry, dict):
             raise ValueError(f"{where} must be a mapping with claim, variant and tutorial")
         extra = set(entry) - CLAIM_KEYS
-        missing = {"claim", "variant", "tutorial"} - set(entry)
+        own = "tutorial" not in entry
+        missing = {"claim", "variant"} - set(entry) | ({"margin"} - set(entry) if own else set())
         if extra or missing:
             raise ValueError(f"{where}: unknown key(s) {sorted(extra)}, missing {sorted(missing)}; "
-                             f"allowed: {sorted(CLAIM_KEYS)}")
+                             f"allowed: {sorted(CLAIM_KEYS)} (without `tutorial`, the lab's own question needs "
+                             f"`margin`)")
         variant = str(entry["variant"])
         if variant not in variants or variant == control:
             raise ValueError(f"{where}: variant {variant!r} must be one of the non-control variants "
@@ -108,7 +122,7 @@ def parse_claims(path: Path, raw: Any, variants: list[str], control: str, tags: 
         metric = entry.get("metric")
         if metric is not None and metric not in tags:
             raise ValueError(f"{where}: metric {metric!r} is not one of the study's metrics {tags}")
-        tut = entry["tutorial"]
+        tut = {"effect": 0.0, "p": 1.0, "n": ""} if own else entry["tutorial"]
         if not isinstance(tut, dict) or not {"effect", "p", "n"} <= set(tut) or set(tut) - TUTORIAL_KEYS:
             raise ValueError(f"{where}: tutorial must be {{effect, p, n[, ci, text]}}, got {tut!r}")
         p = _number(f"{where}: tutorial.p", tut["p"])
@@ -128,7 +142,7 @@ def parse_claims(path: Path, raw: Any, variants: list[str], control: str, tags: 
         out.append(Claim(str(entry["claim"]).strip(), variant, _number(f"{where}: tutorial.effect", tut["effect"]),
                          p, str(tut["n"]), ci, str(tut.get("text", "")).strip(),
                          None if margin is None else float(margin), metric, str(entry.get("measure", "")).strip(),
-                         str(entry.get("earlier", "")).strip(), str(entry.get("differs", "")).strip()))
+                         str(entry.get("earlier", "")).strip(), str(entry.get("differs", "")).strip(), own))
     return out
 
 
@@ -176,8 +190,12 @@ def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float,
                            f"a real difference of {_fmt(diff)} {_ci_text(lo, hi)}, p={format_p(p)}, but inside "
                            f"±{margin:g}, the margin that would matter: {tost}")
         if equivalent:
-            return Verdict("reproduced", f"no difference that matters: {tost}, difference p={format_p(p)}")
+            return Verdict("equivalent" if claim.own else "reproduced",
+                           f"no difference that matters: {tost}, difference p={format_p(p)}")
         if significant:
+            if claim.own:
+                return Verdict("different", f"a difference of {_fmt(diff)} {_ci_text(lo, hi)}, p={format_p(p)}, "
+                                            f"not shown to lie inside ±{margin:g} ({tost})")
             return Verdict("refuted", f"a difference of {_fmt(diff)} {_ci_text(lo, hi)} where the tutorial found "
                                       f"none, not shown to lie inside ±{margin:g} ({tost}){sign}")
         weak = _power_note(mde, margin)

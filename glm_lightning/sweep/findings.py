@@ -264,14 +264,32 @@ the rollout temperature, the tutorial's objective as its reference states it doe
 """
 
 
+OWN_HEADER = """## The lab's own questions
+
+Questions no published result answers (which of our own parts and settings earn their keep), asked the same way: a
+paired comparison with the study's control, judged by the rule for "no difference" at the margin stated per row
+(**equivalent**, **equivalent (a small difference)**, **different**, **inconclusive**). The row numbers continue the
+table above, and its notes and code commits cover these rows too."""
+
+
+def _table_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+
 def render(rows: Sequence[Row], generated: str, found_meta: dict[str, dict[str, Any]] | None = None) -> str:
     found_meta = found_meta or {}
     lines = [HEADER, "| # | claim | tutorial (effect, p) | ours (effect, 95% CI, p, n) | verdict | command | wall time |",
              "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
+        if r.claim.own:
+            continue
         claim = r.claim.claim + (f" *(regime: {r.study.regime})*" if r.study.regime else "")
-        cells = [str(i), claim, _tutorial_cell(r.claim), r.ours, r.verdict, r.command, r.wall]
-        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+        lines.append(_table_row([str(i), claim, _tutorial_cell(r.claim), r.ours, r.verdict, r.command, r.wall]))
+    own = [(i, r) for i, r in enumerate(rows, 1) if r.claim.own]
+    if own:
+        lines += ["", OWN_HEADER, "", "| # | question | ours (effect, 95% CI, p, n) | verdict | command | wall time |",
+                  "|---|---|---|---|---|---|"]
+        lines += [_table_row([str(i), r.claim.claim, r.ours, r.verdict, r.command, r.wall]) for i, r in own]
     notes = [(i, r) for i, r in enumerate(rows, 1) if r.claim.measure or r.claim.earlier or r.claim.margin]
     if notes:
         lines += ["", "## Notes per row", ""]
