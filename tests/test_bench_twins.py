@@ -10,7 +10,7 @@ from benchmarks.bench_twins import SWAPS, step, swapped
 from glm_lightning.model import GLMConfig, GLMModel
 
 
-@pytest.mark.parametrize("name", sorted(SWAPS))
+@pytest.mark.parametrize("name", sorted(n for n in SWAPS if SWAPS[n]))
 def test_every_swap_is_called_by_a_training_step(name):
     torch.manual_seed(0)
     model = GLMModel(GLMConfig.preset("tiny"))

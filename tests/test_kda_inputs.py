@@ -10,8 +10,14 @@ import torch.nn.functional as F
 from glm_lightning.model import cext
 from glm_lightning.model.ops import kda_inputs, norm, reference
 
-KDAFeatures, KDAFeaturesCpp = kda_inputs._KDAFeatures, kda_inputs._KDAFeaturesCpp
+KDAFeaturesCpp = kda_inputs._KDAFeaturesCpp
 GatedHeadNormCpp = norm._GatedHeadNormCpp
+
+
+class KDAFeatures:
+    """The features' PyTorch form (its reference, autograd for the backward), with a Function's ``apply``."""
+
+    apply = staticmethod(reference.kda_features)
 
 
 class GatedHeadNorm:

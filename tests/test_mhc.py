@@ -9,8 +9,6 @@ from glm_lightning.model.ops import mhc as mhc_ops
 from glm_lightning.model.ops.reference import sinkhorn_knopp as sinkhorn_reference
 from glm_lightning.model.ops.reference import stream_read as read_streams
 
-StreamWrite = mhc_ops._StreamWrite
-
 
 def sinkhorn_knopp(logits, iters=20, eps=1e-6, fused=None):
     """The Sinkhorn op as the ops layer picks it (fused None), or forced to its C++ (True) or PyTorch (False) form."""
@@ -111,17 +109,10 @@ def test_sinkhorn_entries_major_layout_equals_reference(fused):
     torch.testing.assert_close(out.double(), sinkhorn_reference(logits.double()), atol=1e-6, rtol=1e-5)
 
 
-def test_stream_write_matches_autograd_of_the_plain_formula():
-    """The hand-written backward of x_next = H_res x + H_post^T y against autograd (gradcheck, float64)."""
+def test_stream_read_equals_its_formula():
     torch.manual_seed(0)
-    args = (torch.rand(2, 3, 4, 4), torch.randn(2, 3, 4, 5), torch.rand(2, 3, 4), torch.randn(2, 3, 5))
-    args = tuple(a.double().requires_grad_() for a in args)
-    assert torch.autograd.gradcheck(StreamWrite.apply, args)
-    res, x, post, y = args
-    plain = torch.matmul(res, x) + post.unsqueeze(-1) * y.unsqueeze(-2)
-    torch.testing.assert_close(StreamWrite.apply(*args), plain)
-    h = read_streams(post, x)
-    torch.testing.assert_close(h, torch.einsum("btn,btnc->btc", post, x))
+    post, x = torch.rand(2, 3, 4), torch.randn(2, 3, 4, 5)
+    torch.testing.assert_close(read_streams(post, x), torch.einsum("btn,btnc->btc", post, x))
 
 
 @BOTH_PATHS
@@ -143,13 +134,3 @@ def test_sinkhorn_backward_equals_autograd_of_the_iterations_fp32(fused):
     (out_a * weight).sum().backward()
     (out_b * weight).sum().backward()
     torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
-
-
-def test_stream_write_two_streams_gradcheck():
-    """n = 2 takes the broadcast multiply-add path instead of a batched matmul."""
-    torch.manual_seed(0)
-    args = (torch.rand(2, 3, 2, 2), torch.randn(2, 3, 2, 5), torch.rand(2, 3, 2), torch.randn(2, 3, 5))
-    args = tuple(a.double().requires_grad_() for a in args)
-    assert torch.autograd.gradcheck(StreamWrite.apply, args)
-    res, x, post, y = args
-    torch.testing.assert_close(StreamWrite.apply(*args), torch.matmul(res, x) + post.unsqueeze(-1) * y.unsqueeze(-2))

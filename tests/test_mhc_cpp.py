@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from glm_lightning.model import GLMConfig, GLMModel, cext
-from glm_lightning.model.ops import mhc as mhc_ops
+from glm_lightning.model.ops import mhc as mhc_ops, reference
 from glm_lightning.model.ops.reference import stream_read as read_streams
 
 
@@ -91,11 +91,17 @@ def test_disabled_by_environment(monkeypatch):
     assert cext.enabled()
 
 
+class _StreamWriteReference:
+    """The stream write's PyTorch form (its reference, autograd for the backward), with a Function's ``apply``."""
+
+    apply = staticmethod(reference.stream_write)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_stream_ops_equal_the_eager_forms_and_gradcheck(n):
     """csrc/streams.cpp: the read h = sum_i pre_i x_i and the write res x + post^T y against mhc.py's eager forms."""
     StreamReadFused, StreamWriteFused = mhc_ops._StreamReadCpp, mhc_ops._StreamWriteCpp
-    StreamWrite = mhc_ops._StreamWrite
+    StreamWrite = _StreamWriteReference
     torch.manual_seed(n)
     shapes = ((2, 5, n, n), (2, 5, n, 7), (2, 5, n), (2, 5, 7))
     args = [torch.randn(s, requires_grad=True) for s in shapes]

@@ -42,7 +42,7 @@ def test_rms_norm_non_contiguous_input_and_frozen_weight():
 
 
 def test_cpp_and_eager_norms_equal_the_formula_over_many_rows(monkeypatch):
-    """The C++ rms_norm (csrc/rms_norm.cpp) and the PyTorch _RMSNorm, both against the reference form, on 300 rows (five
+    """The C++ rms_norm (csrc/rms_norm.cpp) and the op without it (the reference form), both against the reference form, on 300 rows (five
     of the op's 64-row blocks, the last partial); the C++ weight gradient is the same bit for bit at 1 and 2 threads
     (fixed blocks, summed in order)."""
     import pytest

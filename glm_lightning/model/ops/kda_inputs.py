@@ -5,9 +5,9 @@ Why: the study model is dispatch-bound (~15 us per op). Left to autograd the fea
 that replayed as ~130 ops; the C++ ops (csrc/kda_pointwise.cpp, csrc/short_conv.cpp) are one pass each way (the oneDNN
 conv, SiLU and their backward were ~6 passes, the conv backward alone 0.5 ms for the study model's [8, 128, 144]).
 
-Kept PyTorch twin: :class:`_KDAFeatures`, the features with a hand-written backward (the form without the C++ ops;
-for u = x / (max(|x|, 1e-6) r): dx = (du - [|x| >= 1e-6] x_hat <x_hat, du>) / (max(|x|, 1e-6) r), x_hat = x / |x|).
-The short conv's PyTorch form is a depthwise ``conv2d`` on the channels-last view of the [B, T, 3HK] projections
+Without the C++ ops the features run their reference form with autograd: a hand-written PyTorch twin measured within
+the noise of it and went (``python -m benchmarks.bench_twins``, C++ ops off: 0.96x and 0.99x on the study model, 1.05x
+on flash-25m, against a no-swap control that read 0.95x-1.04x). The short conv's PyTorch form is a depthwise ``conv2d`` on the channels-last view of the [B, T, 3HK] projections
 (oneDNN consumes and produces it without transposes).
 """
 
@@ -17,52 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, thresholds
-
-_L2_EPS = 1e-6
-"""The eps of the q/k L2 norm (as F.normalize)."""
-
-
-class _KDAFeatures(torch.autograd.Function):
-    """(y [B, T, 3HK], f [B, T, HK], b [B, T, H], A_log [H], rescale [2H, 1], lb) -> q, k, v [B, T, H, K], g, beta."""
-
-    @staticmethod
-    def forward(ctx, y: Tensor, f: Tensor, b: Tensor, A_log: Tensor, rescale: Tensor,  # type: ignore[override]
-                lb: float) -> tuple[Tensor, ...]:
-        B, T, _ = y.shape
-        H = A_log.shape[0]
-        K = f.shape[-1] // H
-        y4 = y.view(B, T, 3 * H, K) if y.is_contiguous() else y.reshape(B, T, 3 * H, K)
-        qk = y4[:, :, :2 * H]
-        norm = torch.linalg.vector_norm(qk, dim=-1, keepdim=True)
-        denom = norm.clamp_min(_L2_EPS).mul_(rescale)
-        qk_n = qk / denom
-        a = A_log.exp().view(H, 1)
-        s = torch.sigmoid(a * f.view(B, T, H, K))
-        beta = torch.sigmoid(b)
-        ctx.save_for_backward(qk_n, norm, denom, rescale, f, a, s, beta)
-        ctx.lb = lb
-        q, k = qk_n.split(H, dim=2)
-        return q, k, y4[:, :, 2 * H:], s * lb, beta
-
-    @staticmethod
-    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, dg: Tensor, dbeta: Tensor):  # type: ignore[override]
-        qk_n, norm, denom, rescale, f, a, s, beta = ctx.saved_tensors
-        B, T, H2, K = qk_n.shape
-        dqk = torch.cat([dq, dk], dim=2)
-        # x_hat = u * rescale where the norm is not clamped (else the direction term is absent)
-        x_hat = qk_n * (rescale * (norm >= _L2_EPS))
-        dx = torch.addcmul(dqk, x_hat, (dqk * x_hat).sum(-1, keepdim=True), value=-1.0).div_(denom)
-        dy = torch.cat([dx, dv], dim=2).view(B, T, -1)
-        dz = torch.ops.aten.sigmoid_backward(dg, s).mul_(ctx.lb)              # d(a f), [B, T, H, K]
-        dA = (dz * f.view_as(dz)).sum(dim=(0, 1, 3)).mul_(a.view(-1))        # d/dA_log of exp(A_log) = a
-        df = (dz * a).view(B, T, -1)
-        return dy, df, torch.ops.aten.sigmoid_backward(dbeta, beta), dA, None, None
-
+from glm_lightning.model.ops import backend, reference, thresholds
 
 class _KDAFeaturesCpp(torch.autograd.Function):
-    """:class:`_KDAFeatures` as the C++ ops: one pass forward, one backward (which recomputes the norms and gate
-    sigmoids from the saved inputs) instead of ~14 and ~18 ATen ops per layer."""
+    """The features as the C++ ops: one pass forward, one backward (which recomputes the norms and gate sigmoids from
+    the saved inputs) instead of ~14 and ~18 ATen ops per layer."""
 
     @staticmethod
     def forward(ctx, y: Tensor, f: Tensor, b: Tensor, A_log: Tensor, rescale: Tensor,  # type: ignore[override]
@@ -101,8 +60,9 @@ def kda_features(y: Tensor, f: Tensor, b: Tensor, A_log: Tensor, rescale: Tensor
                  lb: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k, v [B, T, H, K], g [B, T, H, K], beta [B, T, H] from the conv output y [B, T, 3HK], the gate input f
     [B, T, HK] and b [B, T, H] (all fp32), A_log [H], rescale [2H, 1] (see ``reference.kda_features``)."""
-    fn = _KDAFeaturesCpp if backend.takes(y, f, b, A_log, rescale) else _KDAFeatures
-    return fn.apply(y, f, b, A_log, rescale, lb)
+    if backend.takes(y, f, b, A_log, rescale):
+        return _KDAFeaturesCpp.apply(y, f, b, A_log, rescale, lb)
+    return reference.kda_features(y, f, b, A_log, rescale, lb)
 
 
 class _ShortConvCpp(torch.autograd.Function):

@@ -6,11 +6,12 @@ Why C++ (csrc/sinkhorn.cpp, streams.cpp, site_read.cpp): as eager PyTorch a site
 norm, the projection, the gates and the read in one pass over the streams (counted in the eager code, they were read ~3
 times forward and ~10 times backward).
 
-Kept PyTorch twins with hand-written backward passes: :class:`_Sinkhorn` (what runs beside the site read for more
-streams than the C++ ops take, or without them; autograd over the iterations stores every intermediate and issued ~8
-ops per half step backward) and :class:`_StreamWrite` (autograd's backward of the per-token [n, n] @ [n, C] matmul
-transposes an operand into a strided view, which sent the CPU bmm to a per-token loop of tiny GEMMs, 8x slower: once
-the biggest item of a profiled step).
+Kept PyTorch twin with a hand-written backward: :class:`_Sinkhorn` (what runs beside the site read for more streams
+than the C++ ops take, or without them; autograd over the iterations stores every intermediate and issued ~8 ops per
+half step backward): its reference form with autograd made a training step with the C++ ops off 1.41x and 1.43x
+slower on the study model and 1.12x on flash-25m (``python -m benchmarks.bench_twins``, median of alternated rounds,
+a no-swap control read 0.95x-1.04x). The stream write's twin (a hand-written backward that avoided a strided bmm) went:
+its reference form measured 1.09x, 1.01x (study) and 1.03x (flash-25m), within that noise.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from glm_lightning.model.ops import backend, thresholds
 from glm_lightning.model.ops.reference import site_mappings, stream_read as stream_read_reference
+from glm_lightning.model.ops.reference import stream_write as stream_write_reference
 
 
 class _Sinkhorn(torch.autograd.Function):
@@ -103,39 +105,8 @@ def stream_read(pre: Tensor, x: Tensor) -> Tensor:
     return stream_read_reference(pre, x)
 
 
-def _mix(a: Tensor, b: Tensor) -> Tensor:
-    """Per-token a @ b for a [..., i, j] (tiny) and b [..., j, C] -> [..., i, C]: broadcast multiply-adds up to
-    thresholds.MIX_MAX_STREAMS, else a batched matmul."""
-    j = a.shape[-1]
-    if j > thresholds.MIX_MAX_STREAMS:
-        return torch.matmul(a, b)
-    out = a[..., 0:1] * b[..., 0:1, :]
-    for i in range(1, j):
-        out.addcmul_(a[..., i:i + 1], b[..., i:i + 1, :])
-    return out
-
-
-class _StreamWrite(torch.autograd.Function):
-    """x_next = H_res x + H_post^T y per token, every product on contiguous operands (see the module docstring)."""
-
-    @staticmethod
-    def forward(ctx, res: Tensor, x: Tensor, post: Tensor, y: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(res, x, post, y)
-        return _mix(res, x).addcmul_(post.unsqueeze(-1), y.unsqueeze(-2))
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        res, x, post, y = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_res = torch.matmul(grad, x.transpose(-1, -2))                 # [n,C] @ [C,n]
-        grad_x = _mix(res.transpose(-1, -2).contiguous(), grad)             # [n,n] @ [n,C]
-        grad_post = torch.matmul(grad, y.unsqueeze(-1)).squeeze(-1)        # [n,C] @ [C,1]
-        grad_y = stream_read_reference(post, grad)                          # [1,n] @ [n,C]
-        return grad_res, grad_x, grad_post, grad_y
-
-
 class _StreamWriteCpp(torch.autograd.Function):
-    """:class:`_StreamWrite` as the C++ ops of csrc/streams.cpp: one op forward, one backward."""
+    """x_next = H_res x + H_post^T y as the C++ ops of csrc/streams.cpp: one op forward, one backward."""
 
     @staticmethod
     def forward(ctx, res: Tensor, x: Tensor, post: Tensor, y: Tensor) -> Tensor:  # type: ignore[override]
@@ -149,8 +120,9 @@ class _StreamWriteCpp(torch.autograd.Function):
 
 def stream_write(res: Tensor, x: Tensor, post: Tensor, y: Tensor) -> Tensor:
     """x_next = H_res x + H_post^T y: [..., n, n], [..., n, C], [..., n], [..., C] -> [..., n, C]."""
-    cpp = x.shape[-2] <= thresholds.CPP_MAX_STREAMS and backend.takes(x)
-    return (_StreamWriteCpp if cpp else _StreamWrite).apply(res, x, post, y)
+    if x.shape[-2] <= thresholds.CPP_MAX_STREAMS and backend.takes(x):
+        return _StreamWriteCpp.apply(res, x, post, y)
+    return stream_write_reference(res, x, post, y)
 
 
 class _SiteReadCpp(torch.autograd.Function):
