@@ -336,3 +336,11 @@ def test_an_own_question_needs_a_margin_and_gets_its_own_section(tmp_path):
     row = next(line for line in own_table.splitlines() if line.startswith("| 2 |"))
     assert "interleaved is as good as blocked" in row and "TOST ±20" in row
     assert "**equivalent (a small difference)**" in row  # +5.4 points, significant, inside ±20
+
+
+def test_a_small_margin_prints_its_numbers_with_enough_decimals():
+    bpb = Claim("bf16 reaches the same val bpb", "interleaved", effect=0.0, p=1.0, n="", margin=0.02, own=True,
+                metric="val/loss")
+    assert bpb.decimals == 3 and OWN.decimals == 1
+    why = judge(bpb, 0.0123, 0.0051, 0.0197, 0.002, 0.004, 0.01).why
+    assert "+0.012 [+0.005, +0.020]" in why and "±0.02" in why

@@ -79,6 +79,14 @@ class Claim:
     """The lab's own question (no tutorial result): "no difference beyond ±margin", judged by the null rule."""
 
     @property
+    def decimals(self) -> int:
+        """Decimals to print this claim's numbers with: 1 for points, more for a metric whose margin is below 1
+        (e.g. 3 for ±0.02 bits per byte)."""
+        if self.margin is not None and 0 < self.margin < 1:
+            return 1 - math.floor(math.log10(self.margin))
+        return 1
+
+    @property
     def is_null(self) -> bool:
         """The tutorial found no significant difference."""
         return self.p >= ALPHA
@@ -146,11 +154,11 @@ def parse_claims(path: Path, raw: Any, variants: list[str], control: str, tags: 
     return out
 
 
-def _fmt(x: float) -> str:
-    return f"{x:+.1f}"
+def _fmt(x: float, decimals: int = 1) -> str:
+    return f"{x:+.{decimals}f}"
 
 
-def _power_note(mde: float, reference: float) -> str | None:
+def _power_note(mde: float, reference: float, decimals: int = 1) -> str | None:
     """Why the study could not tell, or None when an effect of size `reference` would be detected 80% of the
     time."""
     if math.isnan(mde):
@@ -158,13 +166,14 @@ def _power_note(mde: float, reference: float) -> str | None:
     if math.isinf(mde):
         return "underpowered: too few seeds for p < 0.05"
     if mde > reference:
-        return (f"underpowered: an effect of {reference:.1f} would be detected less than 80% of the time "
-                f"(MDE ±{mde:.1f})")
+        return (f"underpowered: an effect of {reference:.{decimals}f} would be detected less than 80% of the time "
+                f"(MDE ±{mde:.{decimals}f})")
     return None
 
 
-def _ci_text(lo: float, hi: float) -> str:
-    return f"[{_fmt(lo)}, {_fmt(hi)}]" if math.isfinite(lo) and math.isfinite(hi) else "no finite CI"
+def _ci_text(lo: float, hi: float, decimals: int = 1) -> str:
+    return (f"[{_fmt(lo, decimals)}, {_fmt(hi, decimals)}]" if math.isfinite(lo) and math.isfinite(hi)
+            else "no finite CI")
 
 
 def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float,
@@ -175,6 +184,7 @@ def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float,
     if math.isnan(p):
         raise ValueError("no paired result to judge")
     has_ci = math.isfinite(lo) and math.isfinite(hi)
+    d = claim.decimals
     significant = p < ALPHA
     if claim.is_null:
         if p_equivalence is None or math.isnan(p_equivalence):
@@ -184,42 +194,42 @@ def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float,
         tost = f"equivalence test (TOST at ±{margin:g}) p={format_p(p_equivalence)}"
         sign = ""
         if claim.effect and diff and (claim.effect > 0) != (diff > 0):
-            sign = f"; opposite in sign to the tutorial's (non-significant) {_fmt(claim.effect)}"
+            sign = f"; opposite in sign to the tutorial's (non-significant) {_fmt(claim.effect, d)}"
         if equivalent and significant:
             return Verdict("equivalent (a small difference)",
-                           f"a real difference of {_fmt(diff)} {_ci_text(lo, hi)}, p={format_p(p)}, but inside "
+                           f"a real difference of {_fmt(diff, d)} {_ci_text(lo, hi, d)}, p={format_p(p)}, but inside "
                            f"±{margin:g}, the margin that would matter: {tost}")
         if equivalent:
             return Verdict("equivalent" if claim.own else "reproduced",
                            f"no difference that matters: {tost}, difference p={format_p(p)}")
         if significant:
             if claim.own:
-                return Verdict("different", f"a difference of {_fmt(diff)} {_ci_text(lo, hi)}, p={format_p(p)}, "
+                return Verdict("different", f"a difference of {_fmt(diff, d)} {_ci_text(lo, hi, d)}, p={format_p(p)}, "
                                             f"not shown to lie inside ±{margin:g} ({tost})")
-            return Verdict("refuted", f"a difference of {_fmt(diff)} {_ci_text(lo, hi)} where the tutorial found "
+            return Verdict("refuted", f"a difference of {_fmt(diff, d)} {_ci_text(lo, hi, d)} where the tutorial found "
                                       f"none, not shown to lie inside ±{margin:g} ({tost}){sign}")
-        weak = _power_note(mde, margin)
+        weak = _power_note(mde, margin, d)
         if weak:
             return Verdict("inconclusive", f"{weak}; {tost}")
         return Verdict("inconclusive", f"not significant and not shown equivalent ({tost}): the 95% CI "
-                                       f"{_ci_text(lo, hi)} reaches beyond ±{margin:g}")
+                                       f"{_ci_text(lo, hi, d)} reaches beyond ±{margin:g}")
     same_sign = (diff > 0) == (claim.effect > 0) and diff != 0
     excludes = has_ci and not lo <= claim.effect <= hi
     if significant and same_sign:
         size = ""
         if excludes:
             size = "; smaller than the tutorial's" if abs(diff) < abs(claim.effect) else "; larger than the tutorial's"
-            size += f" (our CI excludes {_fmt(claim.effect)})"
+            size += f" (our CI excludes {_fmt(claim.effect, d)})"
             if claim.differs:  # "larger/smaller than the tutorial's" is a like-for-like statement only
                 size += f", in settings that differ: {claim.differs}"
         return Verdict("reproduced", "same direction, p < 0.05" + size)
     if significant:
-        return Verdict("refuted", f"the opposite direction ({_fmt(diff)}), p < 0.05")
+        return Verdict("refuted", f"the opposite direction ({_fmt(diff, d)}), p < 0.05")
     if excludes:
         return Verdict("refuted", f"an effect as large as the tutorial's is ruled out: our CI excludes "
-                                  f"{_fmt(claim.effect)}")
-    weak = _power_note(mde, abs(claim.effect))
+                                  f"{_fmt(claim.effect, d)}")
+    weak = _power_note(mde, abs(claim.effect), d)
     if weak:
         return Verdict("inconclusive", weak)
-    return Verdict("inconclusive", f"not significant; effects outside the 95% CI {_ci_text(lo, hi)} are excluded, "
-                                   f"and an effect of ±{mde:.1f} would be detected 80% of the time")
+    return Verdict("inconclusive", f"not significant; effects outside the 95% CI {_ci_text(lo, hi, d)} are excluded, "
+                                   f"and an effect of ±{mde:.{d}f} would be detected 80% of the time")

@@ -205,10 +205,11 @@ def claim_row(claim: Claim, found: StudyResults) -> Row:
     several = len(analysis.comparisons) > 1
     p = comp.p_holm if several else comp.p
     diff, lo, hi, mde = comp.mean_diff * scale, comp.lo * scale, comp.hi * scale, comp.mde * scale
-    ci = f"[{lo:+.1f}, {hi:+.1f}]" if math.isfinite(lo) and math.isfinite(hi) else "no CI (n ≤ 5: exact test only)"
-    power = f"MDE ±{mde:.1f}" if math.isfinite(mde) else "no MDE (underpowered)" if math.isinf(mde) else "MDE n/a"
+    d = claim.decimals
+    ci = f"[{lo:+.{d}f}, {hi:+.{d}f}]" if math.isfinite(lo) and math.isfinite(hi) else "no CI (n ≤ 5: exact test only)"
+    power = f"MDE ±{mde:.{d}f}" if math.isfinite(mde) else "no MDE (underpowered)" if math.isinf(mde) else "MDE n/a"
     holm_note = " (Holm)" if several else ""
-    ours = f"{diff:+.1f} {ci}, p={format_p(p)}{holm_note}, n={comp.n} seeds, {power}"
+    ours = f"{diff:+.{d}f} {ci}, p={format_p(p)}{holm_note}, n={comp.n} seeds, {power}"
     p_equiv = None
     if claim.is_null:
         p_raw, p_adj = equivalence_p(study, analysis, claim)
@@ -298,7 +299,8 @@ def render(rows: Sequence[Row], generated: str, found_meta: dict[str, dict[str, 
             if r.claim.measure:
                 parts.append(r.claim.measure)
             if r.claim.margin:
-                parts.append(f"margin for \"no difference\": ±{r.claim.margin:g} points")
+                unit = next((m.unit for m in r.study.metrics if m.tag == (r.claim.metric or r.study.primary.tag)), "")
+                parts.append(f"margin for \"no difference\": ±{r.claim.margin:g}{' ' + unit if unit else ''}")
             if r.claim.earlier:
                 parts.append(f"earlier, smaller run: {r.claim.earlier}")
             lines.append(f"{i}. {'; '.join(parts)}.")
