@@ -295,3 +295,26 @@ def test_bf16_parity_study_parses_and_every_variant_instantiates(tmp_path, capsy
     text = capsys.readouterr().out
     assert "--trainer.precision=bf16-mixed" in text and "--trainer.precision=32-true" in text
     assert not (tmp_path / "bf16_parity").exists()
+
+
+def test_training_step_emulated_agrees_with_native_bf16():
+    """A whole training step of the tiny model under bf16 autocast (sparse DSA, MoE, mHC), emulated against torch's
+    native bf16 kernels: the same loss within 1e-3 (relative) and every gradient within 5% of its largest entry
+    (measured: loss 3.5e-6 apart, relative; the gradients at most 2.1% of their scale, median 0.5%: bf16 roundings
+    that differ by one ulp, propagated through 4 layers)."""
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(4))
+    runs = {}
+    for mode in mp.MODES:
+        model = _tiny()
+        with mp.bf16_gemm(mode):
+            with torch.autocast("cpu", torch.bfloat16):
+                out = model(ids[:, :-1])
+                loss = F.cross_entropy(out.logits.float().flatten(0, 1), ids[:, 1:].flatten()) + out.aux_loss
+            loss.backward()
+        runs[mode] = (float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    (loss_e, grads_e), (loss_n, grads_n) = runs["emulated"], runs["native"]
+    assert abs(loss_e - loss_n) <= 1e-3 * abs(loss_n)
+    assert grads_e.keys() == grads_n.keys() and len(grads_e) > 20
+    for name in grads_n:
+        scale = float(grads_n[name].abs().max())
+        assert float((grads_e[name] - grads_n[name]).abs().max()) <= 0.05 * scale + 1e-8, name
