@@ -287,9 +287,12 @@ def test_rl_trainer_and_bf16_sampler_logprobs_agree_within_the_ppo_clip():
 
 def test_bf16_parity_study_parses_and_every_variant_instantiates(tmp_path, capsys):
     """configs/experiments/bf16_parity.yaml: the study file, its base and both arms (fp32 control, bf16-mixed) pass
-    the sweep's checks (parsed and instantiated by the stage CLI), 10 paired seeds, nothing run."""
+    the sweep's checks (parsed and instantiated by the stage CLI), 10 paired seeds, its two own questions (dev pass at
+    +-5 points, val bpb at +-0.02) parse, nothing run."""
     study = load_study(ROOT / "configs" / "experiments" / "bf16_parity.yaml")
     assert study.control == "fp32" and len(study.seeds) == 10
+    assert [(c.own, c.variant, c.metric, c.margin) for c in study.claims] == [(True, "bf16", None, 5.0),
+                                                                              (True, "bf16", "val/bpb", 0.02)]
     run_sweep(["--config", str(ROOT / "configs" / "experiments" / "bf16_parity.yaml"), "--out", str(tmp_path),
                "--dry-run", "--seeds", "1"])
     text = capsys.readouterr().out
