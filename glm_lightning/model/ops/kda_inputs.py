@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, reference, thresholds
+from glm_lightning.model.ops import backend, mixed_precision as mp, reference, thresholds
+
 
 class _KDAFeaturesCpp(torch.autograd.Function):
     """The features as the C++ ops: one pass forward, one backward (which recomputes the norms and gate sigmoids from
@@ -56,6 +57,7 @@ def pads_as_identity(k: Tensor, g: Tensor, beta: Tensor,
             beta.masked_fill(pad[..., None], 0.0))
 
 
+@mp.fp32_op
 def kda_features(y: Tensor, f: Tensor, b: Tensor, A_log: Tensor, rescale: Tensor,
                  lb: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k, v [B, T, H, K], g [B, T, H, K], beta [B, T, H] from the conv output y [B, T, 3HK], the gate input f
@@ -82,6 +84,7 @@ class _ShortConvCpp(torch.autograd.Function):
         return dx, dw.view_as(weight)
 
 
+@mp.fp32_op
 def short_conv(raw: Tensor, weight: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """SiLU(causal depthwise conv) over time (see ``reference.short_conv``): raw [B, T, C], weight [C, 1, ks],
     context [B, ks-1, C] the previous raw inputs or None for zeros (training). Returns [B, T, C] and, with a context,

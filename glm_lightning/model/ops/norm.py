@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, reference
+from glm_lightning.model.ops import backend, mixed_precision as mp, reference
 
 
 class _RMSNormCpp(torch.autograd.Function):
@@ -58,6 +58,7 @@ class _GatedHeadNormCpp(torch.autograd.Function):
         return do.view(o.shape), dgate.view(gate.shape), dw, None
 
 
+@mp.fp32_op
 def gated_head_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """KDA's output norm RMSNorm_head(o) * weight * sigmoid(gate): o [B, T, H, K] (fp32), gate [B, T, H*K] ->
     [B, T, H*K] fp32."""
