@@ -8,26 +8,36 @@ not tuning knobs.
 - SMALL_ROWS: linear without autograd, C++ small_matmul or BLAS mm;
 - SMALL_TOKENS: MoE experts without autograd, small_matmul or bmm;
 - SEGMENT_TOKENS, SEGMENT_PADDING: MoE experts, per-expert segments or the padded batch;
-- DECODE_GATHER_MIN_KEYS_PER_TOP_K: a DSA decode step, gather the top-k keys or mask all keys;
-- MIX_MAX_STREAMS: the PyTorch mHC stream write, broadcast multiply-adds or a batched matmul.
+- DECODE_GATHER_MIN_KEYS_PER_TOP_K: a DSA decode step, gather the top-k keys or mask all keys.
+
+SMALL_ROWS and SMALL_TOKENS depend on the CPU's vector width (``torch.backends.cpu.get_cpu_capability()``): the C++
+``small_matmul`` is written for 16-float (AVX-512) lanes and measured faster than BLAS only there.
 """
 
 from __future__ import annotations
 
-SMALL_ROWS = 32
+import torch
+
+AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+"""Whether this CPU runs AVX-512 (where small_matmul's 16-float lanes are native)."""
+
+SMALL_ROWS = 32 if AVX512 else 0
 """Without autograd, fp32 inputs of at most this many rows (decoding) run ``linear`` through
 ``glm_lightning::small_matmul`` (csrc/small_matmul.cpp) instead of BLAS's ``mm``, which packs the whole weight matrix on
-every call. In a decode step every weight is cold (the step streams the whole model), and there, 1 thread, the C++ op
-was 1.3-1.7x faster than ``mm`` at 16 rows and 1.6-2.2x at 1-4 rows (the model's [192-768] x [192-384] weights),
-1.06-1.17x at 32 and 0.86-1.09x at 64. The choice depends on the shape only, and the op sums each row in the same
-order whatever the other rows are."""
+every call. In a decode step every weight is cold (the step streams the whole model), and there, on the AVX-512
+machine, 1 thread, the C++ op was 1.3-1.7x faster than ``mm`` at 16 rows and 1.6-2.2x at 1-4 rows (the model's
+[192-768] x [192-384] weights), 1.06-1.17x at 32 and 0.86-1.09x at 64. On an AVX2 CPU (GCC splits the 16-float vectors
+in two) BLAS wins, so 0 there: flash-25m cached generation, 16 x 48, 5 alternated rounds on a loaded 2-core AMD EPYC
+without AVX-512 (``python -m benchmarks.bench_decode_thresholds``): 1 thread, 77 tok/s with both thresholds as on
+AVX-512, 141 with both 0 (1.83x), 109 with only this one 0, 94 with only SMALL_TOKENS 0; 2 threads 28 vs 50 tok/s.
+The choice depends on the shape only. small_matmul also sums each row in the same order whatever the other rows are,
+which BLAS does not promise: with BLAS a decode row's last bits may depend on how many rows the call has."""
 
-SMALL_TOKENS = 64
+SMALL_TOKENS = 64 if AVX512 else 0
 """Without autograd, an MoE call with at most this many tokens (decoding a few rows) runs its experts through
 ``small_matmul`` (each weight row streamed once, padding rows skipped) instead of BLAS, which repacks every expert's
-whole weight matrix per call. flash-25m's 12 MoE layers, 1 thread: 1.46x faster at 16 tokens, 1.12x at 64, 1.05x at
-96. The choice depends on the shape only, never on the routing, so a token's output never depends on what the other
-tokens of the batch are."""
+whole weight matrix per call. flash-25m's 12 MoE layers, AVX-512, 1 thread: 1.46x faster at 16 tokens, 1.12x at 64,
+1.05x at 96; on AVX2 slower (see SMALL_ROWS): 0 there. The choice depends on the shape only, never on the routing."""
 
 SEGMENT_TOKENS = 2048
 SEGMENT_PADDING = 1.25
@@ -44,11 +54,6 @@ SDPA (B=16, top_k=64: mask 1.7 vs gather 3.2 ms at 101 keys, gather 4.5 vs mask 
 with the C++ decode ops (one flash-25m DSA layer, 16 rows, 1 thread, `python -m benchmarks.bench_decode_gather`):
 gather/mask 1.16x at 100 keys, 1.22x at 160, 0.90x at 256, 1.06x at 384, 0.96x at 512 (a loaded machine; see
 docs/performance.md, "The ops layer")."""
-
-MIX_MAX_STREAMS = 2
-"""The PyTorch form of the mHC stream write mixes the streams with broadcast multiply-adds up to this many streams, and
-with a batched matmul above (one tiny GEMM per token): 1024 tokens, 2x2 @ 2x48, 0.16 vs 1.05 ms; at 4 streams the
-matmul was faster."""
 
 # --- kernel limits: what the C++ ops are compiled for ---------------------------------------------------------------
 CPP_MAX_STREAMS = 8
