@@ -92,7 +92,7 @@ class DSACache:
         return cls(
             k=torch.zeros(batch, cfg.n_kv_heads, n, cfg.head_dim, device=device, dtype=dtype),
             v=torch.zeros(batch, cfg.n_kv_heads, n, cfg.head_dim, device=device, dtype=dtype),
-            index_k=torch.zeros(batch, n, cfg.index_head_dim, device=device, dtype=dtype),
+            index_k=torch.zeros(batch, n, cfg.index_head_dim if cfg.dsa_indexer else 0, device=device, dtype=dtype),
             key_valid=torch.zeros(batch, n, device=device, dtype=torch.bool),
             length=0,
         )
@@ -124,14 +124,16 @@ class DSACache:
             raise ValueError(f"DSACache overflow: {self.length} cached + {n_new} new tokens > max_seq_len "
                              f"{self.max_seq_len}")
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor, valid: torch.Tensor | None) -> int:
-        """Write ``T`` new positions at ``[length, length + T)`` and advance ``length``; returns the new length."""
+    def append(self, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor | None, valid: torch.Tensor | None) -> int:
+        """Write ``T`` new positions at ``[length, length + T)`` and advance ``length``; returns the new length.
+        ``index_k`` None: a layer without an indexer (its cache holds no indexer keys)."""
         n_new = k.shape[2]
         self.check_append(k.shape[0], n_new)
         start, end = self.length, self.length + n_new
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
-        self.index_k[:, start:end] = index_k
+        if index_k is not None:
+            self.index_k[:, start:end] = index_k
         self.key_valid[:, start:end] = True if valid is None else valid
         self.length = end
         return end

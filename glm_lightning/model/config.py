@@ -13,6 +13,7 @@ from typing import Any
 from glm_lightning.tokenizer import ByteTokenizer
 
 LAYER_KINDS = {"L": "KDA linear attention", "S": "DSA sparse attention"}
+FFN_KINDS = ("moe", "dense")
 
 
 @dataclass
@@ -64,6 +65,9 @@ class GLMConfig:
     """Keys kept per query; sequences with T <= index_top_k take the exact dense path."""
     indexer_loss_weight: float = 1.0
     """Weight of the indexer KL loss (to the detached main attention) inside aux_loss."""
+    dsa_indexer: bool = True
+    """False: no lightning indexer; the "S" layers attend to every causal key (dense softmax attention: the
+    ablation of DSA's top-k selection, configs/experiments/ablation_*.yaml)."""
     rope_base: float = 10000.0
     """RoPE frequency base."""
 
@@ -82,6 +86,9 @@ class GLMConfig:
     """gamma of aux-loss-free balancing: bias step per optimizer step."""
     balance_loss_weight: float = 1e-4
     """alpha of the sequence-level balance loss (0 disables it)."""
+    ffn: str = "moe"
+    """The feed-forward sub-layer: "moe" (routed experts + shared expert) or "dense": one SwiGLU MLP of equal
+    ACTIVE parameters per token, hidden = shared_expert_hidden + moe_top_k * expert_hidden (the MoE ablation)."""
 
     # --- mHC (manifold-constrained hyper-connections) ------------------------------------------------------------
     hc_streams: int = 4
@@ -130,6 +137,7 @@ class GLMConfig:
         need(self.moe_top_k <= self.n_experts,
              f"moe_top_k {self.moe_top_k} > n_experts {self.n_experts}")
         need(len(self.layer_pattern) > 0, "layer_pattern is empty")
+        need(self.ffn in FFN_KINDS, f"ffn must be one of {FFN_KINDS}, got {self.ffn!r}")
         bad = sorted(set(self.layer_pattern) - set(LAYER_KINDS))
         need(not bad, f"unknown layer-pattern letter(s) {bad}; use {LAYER_KINDS}")
         need(0 <= self.index_rope_dim <= self.index_head_dim and self.index_rope_dim % 2 == 0,

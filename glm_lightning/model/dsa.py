@@ -52,7 +52,8 @@ class SparseAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.top_k = cfg.index_top_k
+        # without the indexer every causal key is kept: no sequence exceeds max_seq_len keys, so never "sparse"
+        self.top_k = cfg.index_top_k if cfg.dsa_indexer else cfg.max_seq_len
         self.loss_weight = cfg.indexer_loss_weight
         d, H, Hkv, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(d, H * D, bias=False)
@@ -62,7 +63,7 @@ class SparseAttention(nn.Module):
         self.k_norm = RMSNorm(D, cfg.norm_eps)
         self.o_proj = nn.Linear(H * D, d, bias=False)
         self.rope = RotaryEmbedding(D, cfg.max_seq_len, cfg.rope_base) if cfg.attn_rope else None
-        self.indexer = LightningIndexer(cfg)
+        self.indexer = LightningIndexer(cfg) if cfg.dsa_indexer else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -101,6 +102,8 @@ class SparseAttention(nn.Module):
         Returns ``indices [B, T, k]`` and ``selected [B, T, k]`` (True = a real causal, non-padding key), with
         ``k = min(index_top_k, T)``.
         """
+        if self.indexer is None:
+            raise ValueError("this layer has no indexer (dsa_indexer False): it attends to every key")
         B, T, _ = x.shape
         positions = range(T)  # contiguous: RoPE slices its table
         iq, iw = self.indexer.query(x, positions)
@@ -123,7 +126,7 @@ class SparseAttention(nn.Module):
         to the indexer's top-k keys."""
         B, T, _ = x.shape
         positions = range(T)  # contiguous: RoPE slices its table
-        want_loss = self.training and torch.is_grad_enabled()
+        want_loss = self.indexer is not None and self.training and torch.is_grad_enabled()
         sparse = T > self.top_k
         q, k, v = self._qkv(x, positions)
         scores = None
@@ -152,11 +155,11 @@ class SparseAttention(nn.Module):
         start = cache.length
         S = start + T
         positions = range(start, S)
-        want_loss = self.training and torch.is_grad_enabled()
+        want_loss = self.indexer is not None and self.training and torch.is_grad_enabled()
         sparse = S > self.top_k
         q, k, v = self._qkv(x, positions)
         xi = x.detach()  # the indexer learns only from its KL loss
-        cache.append(k, v, self.indexer.key(xi, positions), valid)
+        cache.append(k, v, None if self.indexer is None else self.indexer.key(xi, positions), valid)
         allowed = _allowed_keys(T, S, start, cache.key_valid[:, :S], x.device)
         scores = None
         if sparse or want_loss:
@@ -191,7 +194,8 @@ class SparseAttention(nn.Module):
         return indexer_kl_loss(p, scores, loss_keys, valid) * self.loss_weight
 
     def extra_repr(self) -> str:
-        return (f"heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, top_k={self.top_k}, "
+        keys = f"top_k={self.top_k}" if self.indexer is not None else "every key (no indexer)"
+        return (f"heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, {keys}, "
                 f"rope={'on' if self.rope is not None else 'NoPE'}")
 
 

@@ -21,6 +21,7 @@ from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.dsa import SparseAttention
 from glm_lightning.model.kda import KDAttention
 from glm_lightning.model.mhc import HyperConnection, collapse_streams, expand_streams
+from glm_lightning.model.mlp import DenseSwiGLU
 from glm_lightning.model.moe import MoE
 from glm_lightning.model.norm import RMSNorm
 from glm_lightning.model.ops import linear
@@ -36,7 +37,8 @@ class GLMOutput:
 
 
 class Block(nn.Module):
-    """Token mixer (KDA or DSA) and MoE, each wrapped by its own mHC site."""
+    """Token mixer (KDA or DSA) and MoE (or, with ``ffn: dense``, a dense SwiGLU of equal active size), each wrapped
+    by its own mHC site."""
 
     def __init__(self, cfg: GLMConfig, kind: str, index: int) -> None:
         super().__init__()
@@ -44,7 +46,7 @@ class Block(nn.Module):
         self.mixer_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mixer = KDAttention(cfg) if kind == "L" else SparseAttention(cfg)
         self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.moe = MoE(cfg)
+        self.moe = MoE(cfg) if cfg.ffn == "moe" else DenseSwiGLU(cfg)  # `moe` either way: checkpoint keys stay
         site = dict(n=cfg.hc_streams, dim=cfg.d_model, iters=cfg.sinkhorn_iters, eps=cfg.hc_eps,
                     alpha_init=cfg.hc_alpha_init, norm_eps=cfg.norm_eps)
         self.hc_mixer = HyperConnection(**site, site_index=2 * index)
@@ -154,7 +156,7 @@ class GLMModel(nn.Module):
 
     # --- MoE balancing and logging ------------------------------------------------------------------------------
     def moe_layers(self) -> list[MoE]:
-        return [b.moe for b in self.blocks]
+        return [b.moe for b in self.blocks if isinstance(b.moe, MoE)]  # none with ffn "dense"
 
     def update_balance_bias(self) -> None:
         """Aux-loss-free balancing: nudge every MoE's selection bias toward equal load (call after optimizer.step)."""
@@ -170,6 +172,6 @@ class GLMModel(nn.Module):
         """Total (tied weights counted once) and active per token (only top_k of n_experts routed experts)."""
         total = sum(p.numel() for p in self.parameters())  # parameters() already deduplicates the tied weight
         cfg = self.cfg
-        routed = cfg.n_layers * cfg.n_experts * 3 * cfg.d_model * cfg.expert_hidden
+        routed = cfg.n_layers * cfg.n_experts * 3 * cfg.d_model * cfg.expert_hidden if cfg.ffn == "moe" else 0
         inactive = routed - routed * cfg.moe_top_k // cfg.n_experts
         return {"total": total, "active": total - inactive}
