@@ -321,3 +321,16 @@ def test_training_step_emulated_agrees_with_native_bf16():
     for name in grads_n:
         scale = float(grads_n[name].abs().max())
         assert float((grads_e[name] - grads_n[name]).abs().max()) <= 0.05 * scale + 1e-8, name
+
+
+def test_bf16_rl_parity_study_parses_and_samples_from_bf16_weights():
+    """configs/experiments/bf16_parity_rl.yaml: the demo's RL stage in fp32 against bf16-mixed training with rollouts
+    from the bf16 copy of the weights, 8 paired seeds, one own question (pass@1 at +-5 points). (A dry run needs the
+    demo's pre-training checkpoint, as every RL study.)"""
+    path = ROOT / "configs" / "experiments" / "bf16_parity_rl.yaml"
+    study = load_study(path)
+    assert study.control == "fp32" and len(study.seeds) == 8
+    assert [(c.own, c.variant, c.margin) for c in study.claims] == [(True, "bf16", 5.0)]
+    arms = {v.name: v.overrides for v in study.variants}
+    assert arms == {"fp32": {"trainer.precision": "32-true"},
+                    "bf16": {"trainer.precision": "bf16-mixed", "model.init_args.sampling.precision": "bf16"}}
