@@ -13,11 +13,19 @@ live rows (`ModelCache.index_select`). Until then a finished row feeds an invali
 untouched. Sampling draws its noise for every original row at every step (the exponential race that
 `torch.multinomial` runs internally, so the tokens are bit-identical to it), which makes the tokens independent of
 when, or whether, rows are dropped.
+
+`precision="bf16"` samples from a bf16 copy of the model's matrices (`sampling_weights`: refreshed whenever the
+model's parameters changed since, e.g. after every optimizer step of RL), with the DSA key/value cache in bf16 (half
+the bytes a decode step reads); vectors (norm scales, biases, gate offsets) stay fp32, and so does the KDA state.
+On a CPU without native bf16 its GEMMs are emulated (glm_lightning/model/ops/mixed_precision.py): bf16's numerics, not
+its speed.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -105,6 +113,52 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
+PRECISIONS = ("32", "bf16")
+"""The `precision` values of generation: the model's own fp32 weights, or a bf16 copy of its matrices."""
+
+
+def check_precision(precision: str) -> str:
+    """`precision` as one of PRECISIONS ("fp32"/"32-true" read as "32"), else a one-line ValueError."""
+    value = {"fp32": "32", "32-true": "32", "bfloat16": "bf16"}.get(str(precision), str(precision))
+    if value not in PRECISIONS:
+        raise ValueError(f"generation precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    return value
+
+
+_sampling_copies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> (parameter versions, bf16 copy): the copy `sampling_weights` keeps per model."""
+
+
+def _versions(model: torch.nn.Module) -> tuple[int, ...]:
+    return tuple(p._version for p in model.parameters()) + tuple(id(p) for p in model.parameters())
+
+
+def sampling_weights(model: torch.nn.Module, precision: str = "32") -> torch.nn.Module:
+    """The model generation samples from: `model` itself for "32"; for "bf16" a copy whose matrices (parameters of
+    2 or more dims) are bf16 and whose vectors and buffers are fp32, kept per model and refreshed when a parameter
+    changed since the last call (an optimizer step bumps every updated parameter's version counter)."""
+    if check_precision(precision) == "32":
+        return model
+    key = _versions(model)
+    held = _sampling_copies.get(model)
+    with torch.inference_mode(False), torch.no_grad():
+        if held is None:
+            clone = copy.deepcopy(model).requires_grad_(False)
+            for p in clone.parameters():
+                if p.dim() >= 2 and p.is_floating_point():
+                    p.data = p.data.to(torch.bfloat16)
+            held = [None, clone]
+            _sampling_copies[model] = held
+        if held[0] != key:
+            for src, dst in zip(model.parameters(), held[1].parameters()):
+                dst.copy_(src)
+            for src, dst in zip(model.buffers(), held[1].buffers()):
+                dst.copy_(src)
+            held[0] = key
+    held[1].train(model.training)
+    return held[1]
+
+
 def decode_cache(model: torch.nn.Module, batch: int, length: int) -> ModelCache:
     """`model.new_cache(batch)` with DSA buffers `length` positions long (prompt + budget) instead of the whole
     context: less memory to replicate for G samples and to copy when rows are dropped."""
@@ -131,15 +185,17 @@ def generate(
     stop_fn: Callable[[list[int]], bool] | None = None,
     banned_ids: Sequence[int] = (_TOK.pad_id, _TOK.bos_id, _TOK.image_start_id, _TOK.image_id, _TOK.image_end_id),
     compact: bool = True,
+    precision: str = "32",
 ) -> Generation:
     """Sample `num_samples` completions per prompt with the model's decoding caches (see module docstring).
 
     `stop_fn(completion_tokens)` is asked only after a newline byte, so it may be moderately expensive (e.g. "does
     the completion parse as a complete function?"); returning True finishes that row. `attention_mask`: bool [B, T],
     True on real tokens (see `left_align`). `compact=False` keeps finished rows in the batch (same tokens, slower;
-    tests and benchmarks compare the two).
+    tests and benchmarks compare the two). `precision`: "32" (the model's weights) or "bf16" (`sampling_weights`).
     """
     cfg = model.cfg
+    model = sampling_weights(model, precision)
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2:
         raise ValueError("prompt_ids must be a LongTensor [B, T]")
     model.check_ids(prompt_ids)

@@ -92,6 +92,9 @@ class GLMCLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         super().after_instantiate_classes()
         choose_run_threads()
+        from glm_lightning import precision
+
+        precision.log_start(self.trainer.precision, "training")
 
 
 def choose_run_threads() -> int | None:

@@ -91,8 +91,8 @@ class SparseAttention(nn.Module):
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         gqa = self.n_kv_heads != self.n_heads
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=gqa)
+            return ops.attention(q, k, v, causal=True, gqa=gqa)
+        return ops.attention(q, k, v, mask=mask.unsqueeze(1), gqa=gqa)
 
     @torch.no_grad()
     def select(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,7 +245,7 @@ def head_summed_attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Te
     B, H, T, D = q.shape
     if k.shape[1] != H:
         k = k.repeat_interleave(H // k.shape[1], dim=1)
-    logits = torch.matmul(q.contiguous() * D ** -0.5, k.transpose(-1, -2))  # [B, H, T, S]
+    logits = ops.product(q.contiguous() * D ** -0.5, k.transpose(-1, -2)).float()  # [B, H, T, S], softmax in fp32
     p = logits.masked_fill_(~mask.unsqueeze(1), float("-inf")).softmax(-1).sum(1)
     return p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
 

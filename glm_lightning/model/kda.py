@@ -113,7 +113,7 @@ class KDAttention(nn.Module):
         w_qkv, w_small = self._in_weights(cache)
         raw = linear(x, w_qkv)                                                     # [B, T, 3HK] q|k|v
         f1, g1, b = linear(x, w_small).split([K, K, H], dim=-1)
-        f = linear(_f32(f1), _f32(self.f_b_proj.weight), _f32(self.dt_bias))
+        f = linear(f1, self.f_b_proj.weight, self.dt_bias, fp32=True)
         return raw, f, _f32(b), linear(g1, self.g_b_proj.weight, self.g_b_proj.bias)
 
     def _in_weights(self, cache: KDACache | None) -> tuple[Tensor, Tensor]:
@@ -132,7 +132,7 @@ class KDAttention(nn.Module):
         """(g, beta) for input x: g [B, T, H, K] in [lb, 0], beta [B, T, H] in (0, 1), fp32."""
         B, T, _ = x.shape
         H, K = self.n_heads, self.head_dim
-        f = linear(_f32(self.f_a_proj(x)), _f32(self.f_b_proj.weight), _f32(self.dt_bias)).view(B, T, H, K)
+        f = linear(self.f_a_proj(x), self.f_b_proj.weight, self.dt_bias, fp32=True).view(B, T, H, K)
         g = self.lower_bound * torch.sigmoid(_f32(self.A_log).exp().view(H, 1) * f)
         return g, torch.sigmoid(_f32(self.b_proj(x)))
 

@@ -91,7 +91,7 @@ class MoE(nn.Module):
 
     def _scores(self, x: Tensor) -> Tensor:
         """The router's fp32 affinities s = sigmoid(x W_r^T) [..., E]."""
-        return torch.sigmoid(linear(_f32(x), _f32(self.router_weight)))
+        return torch.sigmoid(linear(x, self.router_weight, fp32=True))
 
     # ----------------------------------------------------------------------------------------------------------------
     @torch.no_grad()

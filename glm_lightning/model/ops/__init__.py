@@ -4,13 +4,15 @@ Each op has its reference form in ``reference.py`` (plain PyTorch following the 
 backward) and fast forms behind the function here: C++ ops (glm_lightning/model/cext.py, csrc/) where they take the
 tensors, else PyTorch forms that dispatch fewer ops. ``backend.takes`` is the one predicate (device, dtype, library
 loaded); ``thresholds.py`` holds every shape threshold with its measurement; ``backend.cpp_ops(False)`` switches the
-C++ ops off for a block (GLM_LIGHTNING_EXT=0 never loads them).
+C++ ops off for a block (GLM_LIGHTNING_EXT=0 never loads them). ``mixed_precision.py`` is how the ops meet bf16 (GEMMs
+in bf16, native or emulated; every other op in fp32, cast at its boundary).
 
 | op | function | file |
 |---|---|---|
 | RMSNorm | ``rms_norm`` | norm.py |
 | KDA's gated head norm | ``gated_head_norm`` | norm.py |
 | linear (x W^T + b) | ``linear`` | matmul.py |
+| attention (SDPA), a batched product: bf16 GEMMs native or emulated | ``attention``, ``product`` | mixed_precision.py |
 | Sinkhorn-Knopp | ``sinkhorn`` | mhc.py |
 | mHC stream read / write, site read | ``stream_read``, ``stream_write``, ``site_read`` | mhc.py |
 | KDA short conv + SiLU, features | ``short_conv``, ``kda_features`` | kda_inputs.py |
@@ -32,11 +34,13 @@ from glm_lightning.model.ops.kda_inputs import kda_features, short_conv
 from glm_lightning.model.ops.kda_recurrent import kda_core
 from glm_lightning.model.ops.kda_sequence import kda_sequence
 from glm_lightning.model.ops.matmul import linear
+from glm_lightning.model.ops.mixed_precision import attention, bf16_gemm, gemm_mode, product
 from glm_lightning.model.ops.mhc import site_read, sinkhorn, stream_read, stream_write
 from glm_lightning.model.ops.moe import moe_experts, moe_route, swiglu_mlp
 from glm_lightning.model.ops.norm import gated_head_norm, rms_norm
 
-__all__ = ["cpp_loaded", "cpp_ops", "decode_attention", "fill_empty_rows", "gated_head_norm", "index_scores",
-           "kda_chunked", "kda_core", "kda_decode_step", "kda_features", "kda_sequence", "linear", "moe_experts", "moe_route",
+__all__ = ["attention", "bf16_gemm", "cpp_loaded", "cpp_ops", "decode_attention", "fill_empty_rows", "gated_head_norm", "index_scores",
+           "gemm_mode", "kda_chunked", "kda_core", "kda_decode_step", "kda_features", "kda_sequence", "linear", "product",
+           "moe_experts", "moe_route",
            "reference", "rms_norm", "short_conv", "single_query_attention", "sinkhorn", "site_read", "stream_read",
            "stream_write", "swiglu_mlp", "topk_mask", "topk_select"]

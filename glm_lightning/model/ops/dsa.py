@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, thresholds
+from glm_lightning.model.ops import backend, mixed_precision as mp, thresholds
 
 
 def _decode_cpp(*tensors: Tensor) -> bool:
@@ -22,6 +22,7 @@ def _decode_cpp(*tensors: Tensor) -> bool:
     return not backend.needs_grad(*tensors) and backend.takes(*tensors, fp64=False)
 
 
+@mp.fp32_op
 def index_scores(q: Tensor, w: Tensor, k: Tensor) -> Tensor:
     """``I[b, t, s] = sum_j w[b, t, j] * ReLU(q[b, j, t] . k[b, s])``: q [B, H_I, T, D_I], w [B, T, H_I] (already
     scaled), k [B, S, D_I] -> [B, T, S]."""
@@ -88,9 +89,10 @@ def single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Ten
         return torch.ops.glm_lightning.single_query_attention(q.reshape(B, H, D), k, v, mask.reshape(B, S),
                                                               D ** -0.5).view(B, H, 1, D)
     G = H // Hkv
-    logits = torch.bmm(q.reshape(B * Hkv, G, D), k.reshape(B * Hkv, S, D).transpose(1, 2)).view(B, Hkv, G, S)
+    logits = mp.bmm(q.reshape(B * Hkv, G, D), k.reshape(B * Hkv, S, D).transpose(1, 2)).view(B, Hkv, G, S)
+    logits = logits if logits.dtype == torch.float32 else logits.float()  # the softmax in fp32
     logits = logits.mul_(D ** -0.5).masked_fill_(mask.logical_not().view(B, 1, 1, S), float("-inf"))
-    out = torch.bmm(logits.softmax(-1).view(B * Hkv, G, S), v.reshape(B * Hkv, S, D))
+    out = mp.bmm(logits.softmax(-1).view(B * Hkv, G, S), v.reshape(B * Hkv, S, D))
     return out.view(B, H, 1, D)
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model.ops import backend
+from glm_lightning.model.ops import backend, mixed_precision as mp
 
 __all__ = ["kda_chunked", "scan", "scan_backward"]
 
@@ -220,6 +220,7 @@ def _n_row_blocks(C: int, gate_bound: float, max_rows: int = 16) -> int:
     return ns
 
 
+@mp.fp32_op
 def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 32,
                 initial_state: Tensor | None = None, *, gate_bound: float | None = None,
                 cpp: bool | None = None) -> tuple[Tensor, Tensor]:

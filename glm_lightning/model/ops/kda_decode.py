@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model.ops import backend
+from glm_lightning.model.ops import backend, mixed_precision as mp
 from glm_lightning.model.ops.kda_inputs import kda_features, pads_as_identity
 from glm_lightning.model.ops.norm import gated_head_norm
 
@@ -53,6 +53,7 @@ def conv_step_(conv_state: Tensor, raw: Tensor, weight: Tensor) -> Tensor:
     return y
 
 
+@mp.fp32_op
 def kda_decode_step(raw: Tensor, f: Tensor, b: Tensor, gate: Tensor, valid: Tensor | None, conv_state: Tensor,
                     state: Tensor, conv_weight: Tensor, A_log: Tensor, rescale: Tensor, lb: float,
                     norm_weight: Tensor, norm_eps: float) -> Tensor:

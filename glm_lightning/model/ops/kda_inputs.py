@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, thresholds
+from glm_lightning.model.ops import backend, mixed_precision as mp, thresholds
 
 _L2_EPS = 1e-6
 """The eps of the q/k L2 norm (as F.normalize)."""
@@ -97,6 +97,7 @@ def pads_as_identity(k: Tensor, g: Tensor, beta: Tensor,
             beta.masked_fill(pad[..., None], 0.0))
 
 
+@mp.fp32_op
 def kda_features(y: Tensor, f: Tensor, b: Tensor, A_log: Tensor, rescale: Tensor,
                  lb: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k, v [B, T, H, K], g [B, T, H, K], beta [B, T, H] from the conv output y [B, T, 3HK], the gate input f
@@ -122,6 +123,7 @@ class _ShortConvCpp(torch.autograd.Function):
         return dx, dw.view_as(weight)
 
 
+@mp.fp32_op
 def short_conv(raw: Tensor, weight: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """SiLU(causal depthwise conv) over time (see ``reference.short_conv``): raw [B, T, C], weight [C, 1, ks],
     context [B, ks-1, C] the previous raw inputs or None for zeros (training). Returns [B, T, C] and, with a context,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, thresholds
+from glm_lightning.model.ops import backend, mixed_precision as mp, thresholds
 from glm_lightning.model.ops.kda_chunkwise import kda_chunked
 
 SEGMENT = 32
@@ -66,6 +66,7 @@ def recurrent_cpp(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S0: 
     return (o, S) if PK == K and PV == V else (o[..., :V], S[:, :, :K, :V])
 
 
+@mp.fp32_op
 def kda_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 32,
              initial_state: Tensor | None = None, *, gate_bound: float | None = None,
              cpp: bool | None = None) -> tuple[Tensor, Tensor]:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from glm_lightning.model.ops import mixed_precision as mp
 from glm_lightning.model.ops.kda_inputs import kda_features, pads_as_identity, short_conv
 from glm_lightning.model.ops.kda_recurrent import kda_core
 from glm_lightning.model.ops.norm import gated_head_norm
 
 
+@mp.fp32_op
 def kda_sequence(raw: Tensor, f: Tensor, b: Tensor, gate: Tensor, valid: Tensor | None, conv_weight: Tensor,
                  A_log: Tensor, rescale: Tensor, lb: float, chunk_size: int, norm_weight: Tensor, norm_eps: float,
                  conv_state: Tensor | None = None,

@@ -6,6 +6,10 @@ per layer in backward; :class:`_Linear` replays as ~9 (dx = dy W, dW = dy^T x, d
 ``addmm``/``mm`` that ``F.linear`` runs, so values are bit for bit those of ``F.linear``. Without autograd (decoding)
 it is the same ``mm``/``addmm`` called directly (7 dispatched ops instead of 11-12), or for a few rows
 ``glm_lightning::small_matmul`` (thresholds.SMALL_ROWS).
+
+Under bf16 (autocast, or bf16 weights) x, W and b are cast to bf16 at the op's boundary and the three GEMMs go through
+mixed_precision.py (native or emulated bf16 kernels); ``fp32=True`` keeps a small projection in fp32 whatever the
+autocast (the router, the KDA decay gate: their outputs feed a sigmoid that picks experts or sets a decay).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, thresholds
+from glm_lightning.model.ops import backend, mixed_precision as mp, thresholds
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -28,7 +32,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
         x2, wt = _rows(x), weight.transpose(0, 1)  # transpose: 2 ops, .t() is 3
-        y = torch.mm(x2, wt) if bias is None else torch.addmm(bias, x2, wt)
+        y = mp.mm(x2, wt) if bias is None else mp.addmm(bias, x2, wt)
         ctx.save_for_backward(x2, weight)
         ctx.has_bias = bias is not None
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -37,8 +41,8 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
         x2, weight = ctx.saved_tensors
         g2 = _rows(grad)
-        gx = torch.mm(g2, weight).view(*grad.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
-        gw = torch.mm(g2.transpose(0, 1), x2) if ctx.needs_input_grad[1] else None
+        gx = mp.mm(g2, weight).view(*grad.shape[:-1], weight.shape[1]) if ctx.needs_input_grad[0] else None
+        gw = mp.mm(g2.transpose(0, 1), x2) if ctx.needs_input_grad[1] else None
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
@@ -49,8 +53,13 @@ def small_matmul(x2: Tensor, weight: Tensor, counts: Tensor | None, bias: Tensor
     return torch.ops.glm_lightning.small_matmul(x2, weight, counts, bias)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)``; while autograd records, through :class:`_Linear` (fewer backward ops)."""
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, fp32: bool = False) -> Tensor:
+    """``F.linear(x, weight, bias)``; while autograd records, through :class:`_Linear` (fewer backward ops). Under bf16
+    in bf16 (module docstring), unless ``fp32``: then in fp32 whatever the autocast."""
+    if fp32:
+        return _linear_fp32(x, weight, bias)
+    if mp.lowp(x, weight, bias):
+        x, weight, bias = mp.to_bf16(x), mp.to_bf16(weight), mp.to_bf16(bias)
     if backend.needs_grad(x, weight, *(() if bias is None else (bias,))):
         return _Linear.apply(x, weight, bias)
     if x.dim() < 2 or x.dtype != weight.dtype:
@@ -61,5 +70,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         y = small_matmul(x2, weight, None, bias)
     else:  # the same mm/addmm that F.linear runs on the flattened rows, in 7 dispatched ops instead of 11-12
         wt = weight.transpose(0, 1)
-        y = torch.mm(x2, wt) if bias is None else torch.addmm(bias, x2, wt)
+        y = mp.mm(x2, wt) if bias is None else mp.addmm(bias, x2, wt)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@mp.fp32_op
+def _linear_fp32(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return linear(x, weight, bias)

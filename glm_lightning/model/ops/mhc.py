@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, thresholds
+from glm_lightning.model.ops import backend, mixed_precision as mp, thresholds
 from glm_lightning.model.ops.reference import site_mappings, stream_read as stream_read_reference
 
 
@@ -72,6 +72,7 @@ class _SinkhornCpp(torch.autograd.Function):
         return torch.ops.glm_lightning.sinkhorn_backward(grad, soft, ctx.iters, ctx.eps), None, None
 
 
+@mp.fp32_op
 def sinkhorn(logits: Tensor, iters: int = 20, eps: float = 1e-6) -> Tensor:
     """Project [..., n, n] logits onto (approximately) doubly stochastic matrices, in fp32 (fp64 stays fp64): row
     softmax (+eps), one column normalisation, then (iters - 1) row/column rounds, eps in every denominator."""
@@ -96,6 +97,7 @@ class _StreamReadCpp(torch.autograd.Function):
         return torch.ops.glm_lightning.stream_read_backward(grad, *ctx.saved_tensors)
 
 
+@mp.fp32_op
 def stream_read(pre: Tensor, x: Tensor) -> Tensor:
     """h = sum_i H_pre[i] x_i: [..., n] x [..., n, C] -> [..., C]."""
     if x.shape[-2] <= thresholds.CPP_MAX_STREAMS and backend.takes(x):
@@ -147,6 +149,7 @@ class _StreamWriteCpp(torch.autograd.Function):
         return torch.ops.glm_lightning.stream_write_backward(grad, *ctx.saved_tensors)
 
 
+@mp.fp32_op
 def stream_write(res: Tensor, x: Tensor, post: Tensor, y: Tensor) -> Tensor:
     """x_next = H_res x + H_post^T y: [..., n, n], [..., n, C], [..., n], [..., C] -> [..., n, C]."""
     cpp = x.shape[-2] <= thresholds.CPP_MAX_STREAMS and backend.takes(x)
@@ -186,6 +189,7 @@ class _SiteReadCpp(torch.autograd.Function):
         return dx, dphi, dalpha, dbias, None, None, None, None, None, None
 
 
+@mp.fp32_op
 def site_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor, gate_scale: Tensor,
               gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """The read half of an mHC site: streams x [..., n, C] -> (h = H_pre x [..., C], H_post [..., n],

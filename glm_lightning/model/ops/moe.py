@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, thresholds
+from glm_lightning.model.ops import backend, mixed_precision as mp, thresholds
 from glm_lightning.model.ops.matmul import linear, small_matmul
 from glm_lightning.model.ops.reference import moe_balance_loss, moe_route as route_reference
 
@@ -112,9 +112,9 @@ class _GroupedExperts(torch.autograd.Function):
                 slot: Tensor, cap: int) -> Tensor:
         E, K, d = w_gate_up.shape[0], w.shape[-1], x.shape[-1]
         xs = _rows_scatter(x, slot, K, None, E * cap).view(E, cap, d)
-        hgu = torch.bmm(xs, w_gate_up.transpose(1, 2))                               # [E, cap, 2h]
+        hgu = mp.bmm(xs, w_gate_up.transpose(1, 2))                                  # [E, cap, 2h]
         a = _swiglu_act(hgu)
-        y_pad = torch.bmm(a, w_down.transpose(1, 2)).view(E * cap, d)
+        y_pad = mp.bmm(a, w_down.transpose(1, 2)).view(E * cap, d)
         gates = _token_gates(w, x.dtype)
         ctx.save_for_backward(xs, hgu, a, y_pad, gates, w_gate_up, w_down, slot)
         ctx.w_shape, ctx.w_dtype = w.shape, w.dtype
@@ -129,13 +129,13 @@ class _GroupedExperts(torch.autograd.Function):
         dw = _rows_dot(dy, y_pad, slot, K).view(ctx.w_shape)
         dys = _rows_scatter(dy, slot, K, gates, E * cap).view(E, cap, d)
         need = ctx.needs_input_grad
-        dw_down = torch.bmm(dys.transpose(1, 2), a) if need[3] else None             # [E, d, h]
-        da = torch.bmm(dys, w_down)                                                   # [E, cap, h]
+        dw_down = mp.bmm(dys.transpose(1, 2), a) if need[3] else None                # [E, d, h]
+        da = mp.bmm(dys, w_down)                                                      # [E, cap, h]
         dhgu = _swiglu_act_backward(da, hgu)
-        dw_gate_up = torch.bmm(dhgu.transpose(1, 2), xs) if need[2] else None        # [E, 2h, d]
+        dw_gate_up = mp.bmm(dhgu.transpose(1, 2), xs) if need[2] else None           # [E, 2h, d]
         dx = None
         if need[0]:
-            dx = _rows_gather_sum(torch.bmm(dhgu, w_gate_up).view(E * cap, d), slot, K, None)
+            dx = _rows_gather_sum(mp.bmm(dhgu, w_gate_up).view(E * cap, d), slot, K, None)
         return dx, dw if dw.dtype == ctx.w_dtype else dw.to(ctx.w_dtype), dw_gate_up, dw_down, None, None
 
 
@@ -160,12 +160,12 @@ class _SegmentExperts(torch.autograd.Function):
         hgu = x.new_empty(A, 2 * h)
         xs_e, hgu_e, wgu_t = xs.split(counts), hgu.split(counts), w_gate_up.transpose(1, 2).unbind(0)
         for e in used:
-            torch.mm(xs_e[e], wgu_t[e], out=hgu_e[e])
+            mp.mm(xs_e[e], wgu_t[e], out=hgu_e[e])
         a = _swiglu_act(hgu)
         ys = x.new_empty(A, x.shape[-1])
         a_e, ys_e, wd_t = a.split(counts), ys.split(counts), w_down.transpose(1, 2).unbind(0)
         for e in used:
-            torch.mm(a_e[e], wd_t[e], out=ys_e[e])
+            mp.mm(a_e[e], wd_t[e], out=ys_e[e])
         gates = _token_gates(w, x.dtype)
         ctx.save_for_backward(xs, hgu, a, ys, gates, w_gate_up, w_down, pos)
         ctx.counts, ctx.used, ctx.w_shape, ctx.w_dtype = counts, used, w.shape, w.dtype
@@ -182,25 +182,25 @@ class _SegmentExperts(torch.autograd.Function):
         da = a.new_empty(a.shape)                                                      # [A, h]
         dys_e, da_e, wd = dys.split(counts), da.split(counts), w_down.unbind(0)
         for e in used:
-            torch.mm(dys_e[e], wd[e], out=da_e[e])
+            mp.mm(dys_e[e], wd[e], out=da_e[e])
         dw_down = None
         if need[3]:
             dw_down = torch.zeros_like(w_down)                                        # [E, d, h]
             dys_t, a_e, dwd = dys.t().split(counts, dim=1), a.split(counts), dw_down.unbind(0)
             for e in used:
-                torch.mm(dys_t[e], a_e[e], out=dwd[e])
+                mp.mm(dys_t[e], a_e[e], out=dwd[e])
         dhgu = _swiglu_act_backward(da, hgu)
         dw_gate_up = dx = None
         if need[2]:
             dw_gate_up = torch.zeros_like(w_gate_up)                                  # [E, 2h, d]
             dhgu_t, xs_e, dwgu = dhgu.t().split(counts, dim=1), xs.split(counts), dw_gate_up.unbind(0)
             for e in used:
-                torch.mm(dhgu_t[e], xs_e[e], out=dwgu[e])
+                mp.mm(dhgu_t[e], xs_e[e], out=dwgu[e])
         if need[0]:
             dxs = xs.new_empty(xs.shape)
             dhgu_e, dxs_e, wgu = dhgu.split(counts), dxs.split(counts), w_gate_up.unbind(0)
             for e in used:
-                torch.mm(dhgu_e[e], wgu[e], out=dxs_e[e])
+                mp.mm(dhgu_e[e], wgu[e], out=dxs_e[e])
             dx = _rows_gather_sum(dxs, pos, K, None)
         return (dx, dw if dw.dtype == ctx.w_dtype else dw.to(ctx.w_dtype), dw_gate_up, dw_down, None, None, None)
 
@@ -253,6 +253,7 @@ def assignment_rows(idx: Tensor, counts: list[int]) -> tuple[Tensor, Tensor]:
     return pos, pos + shift.index_select(0, flat)
 
 
+@mp.fp32_op
 def moe_route(s: Tensor, bias: Tensor, top_k: int, scale: float, batch: int,
               balance_weight: float) -> tuple[Tensor, Tensor | None, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """Route N = batch * T tokens from their fp32 affinities s [N, E]: gates w [N, K], the balance loss (None when
@@ -275,6 +276,8 @@ def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Te
     """y_n = sum_k w_nk E_{idx_nk}(x_n) for flat tokens x [N, d], choices idx and gates w [N, K], the experts'
     w_gate_up [E, 2h, d] and w_down [E, d, h], per-expert counts [E] and the assignment rows when the routing gave
     them."""
+    if mp.lowp(x, w_gate_up, w_down):  # a GEMM op: bf16 at the boundary (mixed_precision.py)
+        x, w_gate_up, w_down = mp.to_bf16(x), mp.to_bf16(w_gate_up), mp.to_bf16(w_down)
     K = idx.shape[-1]
     counts = counts_t.tolist()
     cap = max(counts)

@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, reference
+from glm_lightning.model.ops import backend, mixed_precision as mp, reference
 
 
 @functools.lru_cache(maxsize=16)
@@ -99,6 +99,7 @@ class _GatedHeadNormCpp(torch.autograd.Function):
         return do.view(o.shape), dgate.view(gate.shape), dw, None
 
 
+@mp.fp32_op
 def gated_head_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """KDA's output norm RMSNorm_head(o) * weight * sigmoid(gate): o [B, T, H, K] (fp32), gate [B, T, H*K] ->
     [B, T, H*K] fp32."""
