@@ -233,6 +233,23 @@ class StageModule(pl.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_lambda)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def clip_gradients(self, optimizer: Any, gradient_clip_val: float | None = None,
+                       gradient_clip_algorithm: str | None = None) -> None:
+        """Lightning's clipping, except under bf16-mixed: there Lightning's mixed-precision plugin refuses to clip for
+        a fused optimizer ("it unscales gradients internally"), a check for fp16's loss scaler; bf16-mixed has no
+        scaler (the grads reach the fp32 master weights unscaled), so the fused AdamW's grads are clipped as in fp32."""
+        from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+        from lightning.pytorch.utilities import GradClipAlgorithmType
+
+        plugin = self.trainer.precision_plugin
+        if not (isinstance(plugin, MixedPrecision) and plugin.scaler is None):
+            return super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        clip_val = gradient_clip_val if gradient_clip_val is not None else self.trainer.gradient_clip_val or 0.0
+        algorithm = GradClipAlgorithmType((gradient_clip_algorithm or self.trainer.gradient_clip_algorithm
+                                           or "norm").lower())
+        Precision.clip_gradients(plugin, optimizer, clip_val, algorithm)
+        return None
+
 
 def model_field_docs() -> str:
     """`field (its docstring); ...` for every GLMConfig field, read from the attribute docstrings in config.py, so
