@@ -38,6 +38,7 @@ from glm_lightning.evaluation import (
     resolve_eval_tasks,
     shard,
 )
+from glm_lightning.generation import check_precision
 from glm_lightning.metrics import PassAtK
 from glm_lightning.tasks.families import resolve_families
 from glm_lightning.tasks.task import SPLITS
@@ -63,6 +64,7 @@ class PassAtKCallback(Callback):
         verifier_workers: int = 2,
         verifier_timeout_s: float = 2.0,
         evaluate_at_start: bool = False,
+        precision: str = "32",
     ) -> None:
         """
         Args:
@@ -78,6 +80,8 @@ class PassAtKCallback(Callback):
             prefix: metric name prefix.
             verifier_workers, verifier_timeout_s: only used when the module has no verifier of its own.
             evaluate_at_start: also evaluate before training (logged as `start/{tag}` and as the curve's first point).
+            precision: weights the evaluation samples from: `32` (the model's) or `bf16` (a bf16 copy of its
+                matrices; README, "Precision").
         """
         super().__init__()
         ks = sorted({int(k) for k in ks})
@@ -96,6 +100,7 @@ class PassAtKCallback(Callback):
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.greedy, self.per_family, self.seed = greedy, per_family, seed
         self.every_n_evals, self.prefix, self.evaluate_at_start = every_n_evals, prefix, evaluate_at_start
+        self.precision = check_precision(precision)
         self.verifier_settings = VerifierSettings(workers=verifier_workers, timeout_s=verifier_timeout_s)
         self._evals = 0
         self._own: dict[str, Any] = {}
@@ -127,7 +132,7 @@ class PassAtKCallback(Callback):
         verifier = module_verifier(pl_module, self._own, self.verifier_settings)
         outcomes = evaluate_tasks(pl_module.model, local, verifier, n_samples=self.n, greedy=self.greedy,
                                   temperature=self.temperature, top_p=self.top_p,
-                                  max_new_tokens=self.max_new_tokens, seed=self.seed)
+                                  max_new_tokens=self.max_new_tokens, seed=self.seed, precision=self.precision)
         self.last_outcomes = outcomes
         roles = family_roles(trainer)
         groups = sorted({t.family for t in tasks}) + sorted(set(roles.values()))

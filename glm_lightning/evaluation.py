@@ -80,8 +80,9 @@ class Sampled:
 
 def sample_completions(model: torch.nn.Module, tasks: Sequence[Task], num_samples: int = 1, temperature: float = 0.0,
                        max_new_tokens: int = 48, batch_size: int = 32, generator: torch.Generator | None = None,
-                       top_p: float | None = None) -> list[Sampled]:
-    """`num_samples` completions per task (greedy when temperature is 0), prompts batched with left padding."""
+                       top_p: float | None = None, precision: str = "32") -> list[Sampled]:
+    """`num_samples` completions per task (greedy when temperature is 0), prompts batched with left padding;
+    `precision` "bf16" samples from a bf16 copy of the weights (`generation.sampling_weights`)."""
     out: list[Sampled] = []
     for start in range(0, len(tasks), batch_size):
         chunk = tasks[start:start + batch_size]
@@ -90,7 +91,7 @@ def sample_completions(model: torch.nn.Module, tasks: Sequence[Task], num_sample
         device = model.embed.weight.device
         gen = generate(model, ids.to(device), max_new_tokens=limit, temperature=temperature,
                        num_samples=num_samples, attention_mask=valid.to(device), generator=generator, top_p=top_p,
-                       stop_fn=completion_finished)
+                       stop_fn=completion_finished, precision=precision)
         texts = [TOK.decode(row) for row in gen.tokens.cpu()]
         for i, t in enumerate(chunk):
             out.append(Sampled(t, texts[i * num_samples:(i + 1) * num_samples]))
@@ -138,14 +139,17 @@ class TaskOutcomes:
 
 def evaluate_tasks(model: torch.nn.Module, tasks: Sequence[Task], verifier: Any, *, n_samples: int = 0,
                    greedy: bool = True, temperature: float = 0.35, top_p: float | None = None,
-                   max_new_tokens: int = 48, seed: int = 0, max_rows: int = 256) -> TaskOutcomes:
-    """Greedy and/or `n_samples` sampled completions per task, verified in the sandbox."""
+                   max_new_tokens: int = 48, seed: int = 0, max_rows: int = 256,
+                   precision: str = "32") -> TaskOutcomes:
+    """Greedy and/or `n_samples` sampled completions per task, verified in the sandbox; `precision` "bf16" samples
+    from a bf16 copy of the weights."""
     tasks = list(tasks)
     out = TaskOutcomes(tasks=tasks, n_samples=n_samples)
     if not tasks:
         return out
     if greedy:
-        sampled = sample_completions(model, tasks, num_samples=1, temperature=0.0, max_new_tokens=max_new_tokens)
+        sampled = sample_completions(model, tasks, num_samples=1, temperature=0.0, max_new_tokens=max_new_tokens,
+                                     precision=precision)
         verdicts = verify_samples(verifier, sampled)
         out.greedy = [v[0].status == "passed" for v in verdicts]
         out.greedy_text = [s.completions[0] for s in sampled]
@@ -154,7 +158,7 @@ def evaluate_tasks(model: torch.nn.Module, tasks: Sequence[Task], verifier: Any,
         gen = torch.Generator(device=device).manual_seed(seed)
         sampled = sample_completions(model, tasks, num_samples=n_samples, temperature=temperature,
                                      max_new_tokens=max_new_tokens, batch_size=max(1, max_rows // n_samples),
-                                     generator=gen, top_p=top_p)
+                                     generator=gen, top_p=top_p, precision=precision)
         verdicts = verify_samples(verifier, sampled)
         out.correct = [sum(v.status == "passed" for v in vs) for vs in verdicts]
     return out

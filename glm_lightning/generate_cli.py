@@ -23,6 +23,7 @@ from glm_lightning.evaluation import VerifierSettings, completion_finished, veri
 from glm_lightning.generation import sample_next
 from glm_lightning.model import GLMModel
 from glm_lightning.modules.base import read_checkpoint
+from glm_lightning.precision import describe as describe_bf16
 from glm_lightning.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -121,6 +122,7 @@ def run(argv: Sequence[str], out: Callable[[str], None] | None = None) -> list[t
     write = out or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     tasks = [] if args.prompt is not None else task_prompts(args)
     model = load_model(args.ckpt)
+    sys.stderr.write(describe_bf16() + "\n")  # the one line every run logs about bf16 (README, "Precision")
     generator = torch.Generator().manual_seed(args.seed)
     verifier = VerifierSettings(workers=1).build() if tasks else None
     if verifier is not None:  # what isolates the samples here, or which promised protection is missing

@@ -139,6 +139,9 @@ def sampling_weights(model: torch.nn.Module, precision: str = "32") -> torch.nn.
     changed since the last call (an optimizer step bumps every updated parameter's version counter)."""
     if check_precision(precision) == "32":
         return model
+    from glm_lightning import precision as bf16_support
+
+    bf16_support.log_start("bf16", "generation")  # once: the start-up line, and the warning where bf16 is emulated
     key = _versions(model)
     held = _sampling_copies.get(model)
     with torch.inference_mode(False), torch.no_grad():

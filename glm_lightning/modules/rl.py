@@ -149,7 +149,7 @@ class RLModule(StageModule):
         device = self.model.embed.weight.device
         gen = generate(self.model, ids.to(device), max_new_tokens=limit, temperature=s.temperature, top_p=s.top_p,
                        num_samples=s.group_size, attention_mask=valid.to(device), generator=generator,
-                       stop_fn=completion_finished)
+                       stop_fn=completion_finished, precision=s.precision)
         tokens, lengths, lps = gen.tokens.cpu(), gen.lengths.cpu(), gen.logprobs.cpu()
         comp = [tokens[row, : int(lengths[row])].tolist() for row in range(tokens.shape[0])]
         return Rollouts(list(tasks), prompt_ids, comp, [TOK.decode(c) for c in comp],

@@ -24,6 +24,9 @@ class Sampling:
     """Completion budget; longer completions are truncated (and logged as such)."""
     seed: int = 0
     """Base seed of the per-step sampling generator (combined with epoch, batch and rank)."""
+    precision: str = "32"
+    """Weights the rollouts sample from: `32` (the policy's fp32 weights) or `bf16` (a bf16 copy of its matrices,
+    refreshed after every optimizer step; README, "Precision")."""
 
     def __post_init__(self) -> None:
         g = self.group_size
@@ -37,6 +40,9 @@ class Sampling:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        from glm_lightning.generation import check_precision
+
+        object.__setattr__(self, "precision", check_precision(self.precision))
 
 
 @dataclass(frozen=True)
