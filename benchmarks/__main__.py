@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (so peak RSS is per benchmark), one summary table,
 numbers saved to benchmarks/results/latest.json.
 
-    python -m benchmarks [--quick] [--threads auto|1|2] [--only ops,cext,kda,train,generation,vs_commit,verifier,rl]
+    python -m benchmarks [--quick] [--threads auto|1|2] [--only ops,cext,kda,train,bf16,generation,vs_commit,verifier,rl]
 
 The saved file keeps one row per benchmark: a run replaces the rows of the benchmarks it measured (each stamped with
 its time, `measured_utc`) and keeps every other row, so `--only kda` or a failed benchmark never loses the rest.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from glm_lightning.threads import choose_threads
 
-BENCHES = ("ops", "cext", "kda", "train", "generation", "vs_commit", "verifier", "rl")
+BENCHES = ("ops", "cext", "kda", "train", "bf16", "generation", "vs_commit", "verifier", "rl")
 RESULTS = Path(__file__).parent / "results" / "latest.json"
 
 CHILD = """
@@ -63,6 +63,21 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
                                                       f"{t['threads']} thr, RSS {r['peak_rss_mb']:.0f} MB",
                          "MFU >= 40%" if name.startswith("hybrid") else ""))
         rows.append(("train ratio", f"hybrid/dense {t['hybrid_over_dense']:.2f}x", ">= 0.8x"))
+    if "bf16" in results:
+        b, p = results["bf16"], results["bf16"]["peak_gflops"]
+        native = "native" if b["native_bf16"] else "NOT native (emulated)"
+        rows.append(("bf16 peaks", f"bf16 {native}: GEMM fp32 {p['fp32']:.0f}, bf16 native {p['native']:.1f}, "
+                                   f"bf16 emulated {p['emulated']:.0f} GFLOP/s", ""))
+        t = b["train"]
+        full, small = f"{b['batch']}x{b['seq']}", f"{b['native_batch']}x{b['seq']}"
+        rows.append(("bf16 train", f"flash-25m {full}: fp32 {t['fp32 ' + full]['tokens_per_s']:.0f}, emulated "
+                                   f"{t['emulated ' + full]['tokens_per_s']:.0f} tok/s ({b['train_emulated_over_fp32']:.2f}x);"
+                                   f" {small}: native {b['train_native_over_fp32']:.2f}x fp32", ">= 1.6x (native bf16)"))
+        g = b["generation"]
+        rows.append(("bf16 generation", f"16x48 cached: fp32 {g['fp32']['tokens_per_s']:.0f}, emulated "
+                                        f"{g['emulated']['tokens_per_s']:.0f} ({b['generation_emulated_over_fp32']:.2f}x),"
+                                        f" native {g['native']['tokens_per_s']:.0f} tok/s "
+                                        f"({b['generation_native_over_fp32']:.2f}x)", ">= 1.5x (native bf16)"))
     if "generation" in results:
         g = results["generation"]
         rows.append(("generation", f"cached {g['cached_tokens_per_s']:.0f} tok/s, naive "

@@ -19,10 +19,12 @@ from glm_lightning.model.ops import mixed_precision as mp
 from glm_lightning.modules.rl import RLModule
 from glm_lightning.rl.loss import grouped_completion_logprobs, pad_completions
 from glm_lightning.stage_cli import build_cli
+from glm_lightning.sweep import load_study, run_sweep
 from glm_lightning.tokenizer import ByteTokenizer
 from glm_lightning.verifier import Verdict
 
 CONF = Path(__file__).parent / "conf"
+ROOT = Path(__file__).resolve().parent.parent
 TOK = ByteTokenizer()
 CPP_OPS = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("glm_lightning::"))
 
@@ -262,3 +264,15 @@ def test_rl_trainer_and_bf16_sampler_logprobs_agree_within_the_ppo_clip():
         gap = (trainer[cvalid] - sampler).abs()
         assert float(gap.max()) < math.log(1.2) and float(gap.mean()) < 0.03, (mixed, float(gap.max()),
                                                                                float(gap.mean()))
+
+
+def test_bf16_parity_study_parses_and_every_variant_instantiates(tmp_path, capsys):
+    """configs/experiments/bf16_parity.yaml: the study file, its base and both arms (fp32 control, bf16-mixed) pass
+    the sweep's checks (parsed and instantiated by the stage CLI), 10 paired seeds, nothing run."""
+    study = load_study(ROOT / "configs" / "experiments" / "bf16_parity.yaml")
+    assert study.control == "fp32" and len(study.seeds) == 10
+    run_sweep(["--config", str(ROOT / "configs" / "experiments" / "bf16_parity.yaml"), "--out", str(tmp_path),
+               "--dry-run", "--seeds", "1"])
+    text = capsys.readouterr().out
+    assert "--trainer.precision=bf16-mixed" in text and "--trainer.precision=32-true" in text
+    assert not (tmp_path / "bf16_parity").exists()
