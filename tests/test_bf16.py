@@ -44,7 +44,26 @@ def test_native_bf16_detected_from_the_cpuinfo_flags(tmp_path):
     assert precision.cpu_flags(tmp_path / "missing") is None and precision.native_flag(None) is None
     line = precision.describe()
     assert line.startswith("bf16: native (") if precision.native_bf16() else line.startswith("bf16: not native (")
-    assert mp.gemm_mode() == ("native" if precision.native_bf16() else "emulated") or mp.ENV
+
+
+
+def test_bf16_gemm_kernel_follows_the_detection_unless_the_environment_says(monkeypatch):
+    """GLM_LIGHTNING_BF16_GEMM=native|emulated overrides the detection (auto or unset: native only where the CPU has
+    native bf16); another value is a clear error."""
+    expected = {"native": "native", "emulated": "emulated", "auto": "native" if precision.native_bf16() else "emulated",
+                "": "native" if precision.native_bf16() else "emulated"}
+    try:
+        for value, mode in expected.items():
+            monkeypatch.setenv(mp.ENV, value)
+            mp._detected_mode.cache_clear()
+            assert mp.gemm_mode() == mode
+        monkeypatch.setenv(mp.ENV, "fastest")
+        mp._detected_mode.cache_clear()
+        with pytest.raises(ValueError, match="GLM_LIGHTNING_BF16_GEMM='fastest'"):
+            mp.gemm_mode()
+    finally:
+        monkeypatch.undo()
+        mp._detected_mode.cache_clear()
 
 
 # --- the emulated GEMM against torch's native bf16 kernel ---------------------------------------------------------

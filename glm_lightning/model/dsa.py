@@ -245,7 +245,8 @@ def head_summed_attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Te
     B, H, T, D = q.shape
     if k.shape[1] != H:
         k = k.repeat_interleave(H // k.shape[1], dim=1)
-    logits = ops.product(q.contiguous() * D ** -0.5, k.transpose(-1, -2)).float()  # [B, H, T, S], softmax in fp32
+    logits = ops.product(q.contiguous() * D ** -0.5, k.transpose(-1, -2))  # [B, H, T, S]
+    logits = logits if logits.dtype == torch.float32 else logits.float()  # the softmax in fp32
     p = logits.masked_fill_(~mask.unsqueeze(1), float("-inf")).softmax(-1).sum(1)
     return p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
 

@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glm_lightning.model import ops
 from glm_lightning.model.norm import RMSNorm
+from glm_lightning.model.ops import linear
 from glm_lightning.model.rope import apply_rotary
 from glm_lightning.model.rope2d import Rope2D, grid_positions, window_order
 from glm_lightning.tokenizer import ByteTokenizer
@@ -121,8 +123,8 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up.weight).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down.weight)
 
 
 class VisionAttention(nn.Module):
@@ -138,11 +140,11 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, N, D = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.heads, self.head_dim).unbind(2)  # each [B, N, H, hd]
+        q, k, v = linear(x, self.qkv.weight, self.qkv.bias).view(B, N, 3, self.heads, self.head_dim).unbind(2)
         q = apply_rotary(self.q_norm(q).transpose(1, 2), cos, sin)  # [B, H, N, hd]; cos/sin [N, hd] broadcast
         k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=False)
-        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+        out = ops.attention(q, k, v.transpose(1, 2))
+        return linear(out.transpose(1, 2).reshape(B, N, D), self.proj.weight, self.proj.bias)
 
 
 class ViTBlock(nn.Module):
@@ -174,7 +176,8 @@ class PatchMerger(nn.Module):
         return x.reshape(B, N // self.group, self.group * D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(self.group_windows(self.norm(x)))))
+        h = F.gelu(linear(self.group_windows(self.norm(x)), self.fc1.weight, self.fc1.bias))
+        return linear(h, self.fc2.weight, self.fc2.bias)
 
 
 class VisionEncoder(nn.Module):
@@ -229,7 +232,7 @@ class VisionEncoder(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         self.check_images(images)
         if self.cfg.encoder == "direct":
-            return self.proj(patchify(images, self.cfg.patch_size))
+            return linear(patchify(images, self.cfg.patch_size), self.proj.weight, self.proj.bias)
         return self.merger(self.encode_patches(images))
 
 
