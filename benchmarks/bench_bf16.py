@@ -6,7 +6,8 @@ bf16 has two kernels here (glm_lightning/model/ops/mixed_precision.py): ``native
 CPU with avx512_bf16 / amx_bf16, a slow reference loop elsewhere) and ``emulated`` (fp32 GEMMs on bf16-rounded
 operands: bf16's numerics at about fp32 speed). Emulated bf16 is timed at the full size against fp32, taking turns;
 native bf16 at a smaller batch (``native_batch``, its own fp32 row beside it), because on a CPU without native bf16 a
-full-size step takes minutes. MFU: bf16 rows against the bf16 peak measured here, fp32 rows against the fp32 peak.
+full-size step takes minutes. Every comparison takes turns (an untimed run, then a timed one, per turn; the median),
+so that load changes on a shared machine hit each row alike. MFU: bf16 rows against the bf16 peak measured here, fp32 rows against the fp32 peak.
 
     python -m benchmarks.bench_bf16 [--quick]
 """
@@ -72,16 +73,18 @@ def _median_in_turns(steps: dict[str, Callable[[], float]], rounds: int) -> dict
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-def _generation_s(model: GLMModel, mode: str, samples: int, new_tokens: int, repeats: int) -> float:
+def _generation(model: GLMModel, mode: str, samples: int, new_tokens: int) -> Callable[[], float]:
+    """A function that runs one cached generation (a 64-token prompt, ``samples`` x ``new_tokens``) from the fp32
+    weights (mode ``fp32``) or from the bf16 copy with the given bf16 GEMM kernel, and returns its seconds."""
     prompt = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))
-    best = float("inf")
-    with nullcontext() if mode == "fp32" else mp.bf16_gemm(mode):
-        for _ in range(repeats + 1):  # the first builds the bf16 copy
+
+    def run() -> float:
+        with nullcontext() if mode == "fp32" else mp.bf16_gemm(mode):
             t = time.perf_counter()
             generate(model, prompt, max_new_tokens=new_tokens, num_samples=samples, temperature=1.0, eos_id=None,
                      generator=torch.Generator().manual_seed(0), precision="32" if mode == "fp32" else "bf16")
-            best = min(best, time.perf_counter() - t)
-    return best
+            return time.perf_counter() - t
+    return run
 
 
 def run(quick: bool = False, batch: int = 32, seq: int = 128, native_batch: int = 2, samples: int = 16,
@@ -99,7 +102,7 @@ def run(quick: bool = False, batch: int = 32, seq: int = 128, native_batch: int 
     full = {mode: _in_mode(mode, make_step(model, hybrid_loss, batch, seq)) for mode in ("fp32", "emulated")}
     small = {mode: _in_mode(mode, make_step(model, hybrid_loss, native_batch, seq)) for mode in ("fp32", "native")}
     secs = _median_in_turns(full, rounds)
-    secs_small = _median_in_turns(small, 1)
+    secs_small = _median_in_turns(small, rounds)
     peaks = res["peak_gflops"]
     train = {}
     for (mode, b), sec in [(("fp32", batch), secs["fp32"]), (("emulated", batch), secs["emulated"]),
@@ -113,8 +116,8 @@ def run(quick: bool = False, batch: int = 32, seq: int = 128, native_batch: int 
     res["train_emulated_over_fp32"] = secs["fp32"] / secs["emulated"]
     res["train_native_over_fp32"] = secs_small["fp32"] / secs_small["native"]
     model.eval()
-    repeats = 1 if quick else 2
-    gen = {mode: _generation_s(model, mode, samples, new_tokens, repeats) for mode in ("fp32", "emulated", "native")}
+    gen = _median_in_turns({mode: _generation(model, mode, samples, new_tokens)
+                            for mode in ("fp32", "emulated", "native")}, 1 if quick else 3)
     res["generation"] = {mode: {"s": s, "tokens_per_s": samples * new_tokens / s} for mode, s in gen.items()}
     res["generation_emulated_over_fp32"] = gen["fp32"] / gen["emulated"]
     res["generation_native_over_fp32"] = gen["fp32"] / gen["native"]
