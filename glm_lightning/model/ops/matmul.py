@@ -54,8 +54,9 @@ def small_matmul(x2: Tensor, weight: Tensor, counts: Tensor | None, bias: Tensor
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, fp32: bool = False) -> Tensor:
-    """``F.linear(x, weight, bias)``; while autograd records, through :class:`_Linear` (fewer backward ops). Under bf16
-    in bf16 (module docstring), unless ``fp32``: then in fp32 whatever the autocast."""
+    """``F.linear(x, weight, bias)``; while autograd records, through :class:`_Linear` (fewer backward ops). Under
+    bf16 (autocast or bf16 operands) its GEMMs run in bf16 (module docstring); with ``fp32`` in fp32 whatever the
+    autocast."""
     if fp32:
         return _linear_fp32(x, weight, bias)
     if mp.lowp(x, weight, bias):
