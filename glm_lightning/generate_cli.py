@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from glm_lightning.evaluation import VerifierSettings, completion_finished, verifier_jobs
-from glm_lightning.generation import sample_next
+from glm_lightning.generation import PRECISIONS, sample_next, sampling_weights
 from glm_lightning.model import GLMModel
 from glm_lightning.modules.base import read_checkpoint
 from glm_lightning.precision import describe as describe_bf16
@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per_family", type=int, default=1, help="prompts per family when no prompt is given (default 1)")
     p.add_argument("--split", default="dev", help="task split of --task prompts: train, dev, rl, confirm (default dev)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed and task identity seed (default 0)")
+    p.add_argument("--precision", default="32", choices=PRECISIONS,
+                   help="sample from the fp32 weights (32, default) or a bf16 copy of them (bf16; README, Precision)")
     return p
 
 
@@ -121,8 +123,8 @@ def run(argv: Sequence[str], out: Callable[[str], None] | None = None) -> list[t
     check_args(args)
     write = out or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     tasks = [] if args.prompt is not None else task_prompts(args)
-    model = load_model(args.ckpt)
-    sys.stderr.write(describe_bf16() + "\n")  # the one line every run logs about bf16 (README, "Precision")
+    sys.stderr.write(describe_bf16() + "\n")
+    model = sampling_weights(load_model(args.ckpt), args.precision)  # the one line every run logs about bf16 (README, "Precision")
     generator = torch.Generator().manual_seed(args.seed)
     verifier = VerifierSettings(workers=1).build() if tasks else None
     if verifier is not None:  # what isolates the samples here, or which promised protection is missing

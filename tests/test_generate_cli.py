@@ -63,3 +63,18 @@ def test_without_a_prompt_every_family_is_sampled(ckpt):
     printed_families = {r[0] for r in results}
     assert len(results) == len(family_names()) and len(printed_families) == len(results)
     assert all(len(verdicts) == 1 for _, _, verdicts in results)
+
+
+def test_precision_bf16_streams_what_the_bf16_copy_generates(ckpt):
+    """--precision bf16 samples from the bf16 copy of the weights: the greedy text of the library's cached generation
+    with precision="bf16"."""
+    from glm_lightning.generation import generate
+    from glm_lightning.tokenizer import ByteTokenizer
+
+    pieces: list[str] = []
+    results = run(["--ckpt", ckpt, "--prompt", "def f(x):", "--max_new_tokens", "12", "--precision", "bf16"],
+                  out=pieces.append)
+    tok = ByteTokenizer()
+    ids = torch.tensor([tok.encode("def f(x):", bos=True)])
+    want = tok.decode(generate(load_model(ckpt), ids, max_new_tokens=12, precision="bf16").tokens[0])
+    assert results[0][1] == [want]
