@@ -19,8 +19,9 @@ venv: $(STAMP)
 ext: $(STAMP)
 	$(PY) -c "import time; t = time.time(); from glm_lightning.model import cext; print(cext.build(), f'{time.time() - t:.0f} s')"
 
+# The suite on up to 4 cores (pytest-xdist; each test runs one torch thread): 7:56 serial -> 4:43 on 2 cores.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --numprocesses auto --maxprocesses 4
 
 demo: $(STAMP)
 	$(PY) -m glm_lightning demo

@@ -4,6 +4,7 @@ the shipped study files' claims."""
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -255,6 +256,33 @@ def test_every_report_names_a_commit_in_the_repository_or_says_it_is_not():
         rev = json.loads(data.read_text()).get("git", "")
         assert commit_in_repository(rev) or f"`{rev}` (**not in this repository**" in table, data.name
     assert commit_in_repository("0000000") is False
+
+
+def test_a_commit_counts_only_when_the_checked_out_history_reaches_it(tmp_path):
+    """A commit object that sits in the local store but off the checked-out history (a rebased branch's original)
+    is not in a fresh clone, so it does not count as in the repository; one the history reaches does."""
+    import subprocess
+
+    from glm_lightning.sweep.report import commit_in_repository
+
+    def git(*args: str) -> str:
+        env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t", "PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+        return subprocess.run(["git", *args], cwd=tmp_path, env=env, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("a")
+    git("add", "a.txt")
+    git("commit", "-q", "-m", "first")
+    first = git("rev-parse", "HEAD")
+    dangling = git("commit-tree", "HEAD^{tree}", "-p", first, "-m", "off the history")
+    (tmp_path / "a.txt").write_text("b")
+    git("commit", "-q", "-am", "second")
+    assert commit_in_repository(first[:7], repo=tmp_path) is True
+    assert commit_in_repository(git("rev-parse", "HEAD"), repo=tmp_path) is True
+    assert commit_in_repository(dangling[:7], repo=tmp_path) is False
+    assert commit_in_repository("0000000", repo=tmp_path) is False
 
 
 def test_level_intervals_stay_within_0_and_100():

@@ -359,8 +359,8 @@ def test_stopping_the_driver_stops_its_runs_and_a_rerun_resumes(tmp_path):
     from glm_lightning.sweep.runner import run_env
 
     args = ["--config", str(STUDY), "--out", str(tmp_path), "--workers", "1", "--seeds", "1",
-            "--set", "trainer.max_steps=400", "--set", "trainer.enable_checkpointing=true",
-            "--set", "last_checkpoint.every_n_train_steps=1", "--set", "trainer.val_check_interval=400"]
+            "--set", "trainer.max_steps=200", "--set", "trainer.enable_checkpointing=true",
+            "--set", "last_checkpoint.every_n_train_steps=10", "--set", "trainer.val_check_interval=200"]
     driver = subprocess.Popen([sys.executable, "-m", "glm_lightning", "sweep", *args], env=run_env(1),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     first, second = (tmp_path / "sweep_tiny" / v / "seed0" for v in ("blocked", "interleaved"))
@@ -377,13 +377,13 @@ def test_stopping_the_driver_stops_its_runs_and_a_rerun_resumes(tmp_path):
     assert not [pid for pid in runs if Path(f"/proc/{pid}").exists()], "the driver's runs stopped with it"
     assert (first / "DONE.json").read_text() == done_before and not (second / "DONE.json").exists()
     stopped_at = torch_load_step(second / "checkpoints" / "last.ckpt")
-    assert 0 < stopped_at < 400
+    assert 0 < stopped_at < 200
     # the same command resumes the stopped run from its checkpoint
     outcome = run_sweep(args, log=_quiet)
     assert [r.status for r in outcome.results] == ["skipped", "done"]
     assert "--ckpt_path" in (second / "command.txt").read_text().splitlines()[-1]
     assert (first / "DONE.json").read_text() == done_before
-    assert torch_load_step(second / "checkpoints" / "last.ckpt") == 400
+    assert torch_load_step(second / "checkpoints" / "last.ckpt") == 200
 
 
 def torch_load_step(path: Path) -> int:

@@ -66,16 +66,18 @@ def git_revision() -> str:
     return (rev or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
-def commit_in_repository(rev: str) -> bool | None:
-    """Whether `rev` (a hash as reports record it) names a commit of this repository; None when no git repository
-    can be asked (an unpacked copy). A report whose commit is not there must say so (or be re-run)."""
+def commit_in_repository(rev: str, repo: Path = REPO_ROOT) -> bool | None:
+    """Whether `rev` (a hash as reports record it) names a commit in this repository's history, i.e. one the
+    checked-out commit descends from (a commit that lives only in a local object store, a rebased branch's
+    original say, is absent from a fresh clone); None when no git repository can be asked (an unpacked copy).
+    A report whose commit is not there must say so (or be re-run)."""
     rev = rev.split()[0] if rev.split() else ""
     if not rev or rev == "unknown":
         return False
     try:
-        proc = subprocess.run(["git", "cat-file", "-e", f"{rev}^{{commit}}"], cwd=REPO_ROOT, capture_output=True,
-                              timeout=10)
-        inside = subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], cwd=REPO_ROOT, capture_output=True,
+        proc = subprocess.run(["git", "merge-base", "--is-ancestor", rev, "HEAD"], cwd=repo,
+                              capture_output=True, timeout=10)
+        inside = subprocess.run(["git", "rev-parse", "--is-inside-work-tree"], cwd=repo, capture_output=True,
                                 text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
