@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from glm_lightning.evaluation import rank_and_world
 from glm_lightning.tasks import composition
-from glm_lightning.tasks.families import CLASSIC_FAMILIES, resolve_families
+from glm_lightning.tasks.families import CLASSIC_FAMILIES, HELD_OUT_FAMILIES, resolve_families
 from glm_lightning.tasks.task import Task, iter_train_tasks, make_tasks
 from glm_lightning.tokenizer import ByteTokenizer
 
@@ -181,6 +181,7 @@ class CodeCorpusDataModule(pl.LightningDataModule):
         seed: int = 0,
         val_per_family: int = 4,
         dev_per_family: int = 2,
+        heldout_per_family: int = 0,
         composition_train_structures: int = 88,
         val_examples: int = 256,
     ) -> None:
@@ -200,6 +201,9 @@ class CodeCorpusDataModule(pl.LightningDataModule):
             seed: fixes the data order and identities.
             val_per_family: held-out identities per family for val loss/accuracy (functions corpus).
             dev_per_family: held-out tasks per family generated greedily and verified (`val/dev_pass`).
+            heldout_per_family: tasks per never-trained family (decrement, triple, square_plus_one, max_of_list, less
+                any listed in `families`), generated greedily and verified at each validation (`val/heldout_pass`):
+                generalisation to families the corpus never shows (functions corpus; 0 = off).
             composition_train_structures: how many of the composition structures are for training (rest held out).
             val_examples: held-out-structure examples for validation (composition corpus).
         """
@@ -214,6 +218,10 @@ class CodeCorpusDataModule(pl.LightningDataModule):
             raise ValueError("num_examples and batch_size must be >= 1 and seq_len >= 8")
         if diversity is not None and diversity < 1:
             raise ValueError("diversity (pool size) must be >= 1 or null")
+        if dev_per_family < 0 or heldout_per_family < 0:
+            raise ValueError("dev_per_family and heldout_per_family must be >= 0")
+        if heldout_per_family and corpus != "functions":
+            raise ValueError("heldout_per_family needs corpus: functions (the held-out families are task families)")
         self.save_hyperparameters()
         self.groups = self._resolve_groups(families)
         self.stages = self._resolve_stages(curriculum)
@@ -221,6 +229,14 @@ class CodeCorpusDataModule(pl.LightningDataModule):
         self.train_rows: list[tuple[list[int], list[bool]]] = []
         self.val_rows: list[tuple[list[int], list[bool]]] = []
         self.dev_tasks: list[Task] = []
+        self.heldout_tasks: list[Task] = []
+
+    @property
+    def heldout_families(self) -> tuple[str, ...]:
+        """The never-trained families `val/heldout_pass` asks about (those not in the training groups)."""
+        if self.hparams.corpus != "functions":
+            return ()
+        return tuple(f for f in HELD_OUT_FAMILIES if f not in self.groups)
 
     # --- configuration checks -----------------------------------------------------------------------------------
     def _resolve_groups(self, families: list[str] | None) -> tuple[str, ...]:
@@ -299,6 +315,9 @@ class CodeCorpusDataModule(pl.LightningDataModule):
                 val = [Example(t.family, t.prompt, t.completion)
                        for t in make_tasks("dev", hp.val_per_family, self.groups, seed=hp.seed + 1)]
                 self.dev_tasks = make_tasks("dev", hp.dev_per_family, self.groups, seed=hp.seed)
+                if hp.heldout_per_family and self.heldout_families:
+                    self.heldout_tasks = make_tasks("dev", hp.heldout_per_family, self.heldout_families,
+                                                    seed=hp.seed)
             else:
                 val = composition_heldout(hp.val_examples, hp.seed, hp.composition_train_structures)
             self.val_rows = pack_rows(val, hp.seq_len, packing=False)

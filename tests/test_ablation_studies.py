@@ -26,3 +26,52 @@ def test_ablation_study_parses_builds_every_arm_and_asks_its_own_questions(name,
     out = capsys.readouterr().out
     assert out.count("[todo]") == len(study.variants)
     assert not (tmp_path / name).exists()
+
+
+def _steps(study, variant) -> int:
+    return int(variant.overrides.get("trainer.max_steps", study.overrides.get("trainer.max_steps", 150)))
+
+
+@pytest.mark.parametrize("name", sorted(STUDIES))
+def test_equal_time_arms_take_the_steps_the_measured_step_times_give(name):
+    """Issue 32: each variant's `<variant>_equal_time` twin builds the same model and trains for the steps that fit in
+    the control's wall-clock time, from the committed step-time measurement (benchmarks/bench_ablation_steps.py),
+    evaluating once at its last step; its claim asks the same question at equal time."""
+    import json
+
+    from benchmarks.bench_ablation_steps import EQUAL_TIME_SUFFIX, RESULTS, equal_time_steps
+
+    study = load_study(EXPERIMENTS / f"{name}.yaml")
+    times = json.loads(RESULTS.read_text())["by_variant"]
+    short = name.removeprefix("ablation_")
+    control = study.variant(study.control)
+    twins = [v for v in study.variants if v.name.endswith(EQUAL_TIME_SUFFIX)]
+    plain = [v for v in study.variants if v.name != study.control and not v.name.endswith(EQUAL_TIME_SUFFIX)]
+    assert sorted(t.name for t in twins) == sorted(v.name + EQUAL_TIME_SUFFIX for v in plain)
+    for v in plain:
+        twin = study.variant(v.name + EQUAL_TIME_SUFFIX)
+        key = "model.init_args.model_overrides"
+        assert twin.overrides[key] == v.overrides[key]
+        expected = equal_time_steps(times[f"{short}/{study.control}"]["seconds_per_step"],
+                                    times[f"{short}/{v.name}"]["seconds_per_step"], _steps(study, control))
+        assert _steps(study, twin) == expected, (twin.name, expected)
+        assert twin.overrides["trainer.val_check_interval"] == expected
+    assert _steps(study, control) == 150
+
+
+def test_the_ablation_base_is_the_demo_pretraining_with_a_finer_evaluation():
+    """base_ablation_demo.yaml differs from the demo pre-training's study base only in what it evaluates and when."""
+    import yaml
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    demo = flat(yaml.safe_load((EXPERIMENTS / "base_pretrain_demo.yaml").read_text()))
+    ablation = flat(yaml.safe_load((EXPERIMENTS / "base_ablation_demo.yaml").read_text()))
+    changed = {k for k in demo.keys() | ablation.keys() if demo.get(k) != ablation.get(k)}
+    assert changed == {"trainer.val_check_interval", "trainer.logger.init_args.name", "data.init_args.dev_per_family",
+                       "data.init_args.heldout_per_family"}
+    assert ablation["trainer.max_steps"] % ablation["trainer.val_check_interval"] == 0

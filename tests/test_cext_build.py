@@ -133,3 +133,43 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_processes_that_need_the_library_at_once_build_it_once(tmp_path, monkeypatch):
+    """Two builders at the same time (pytest's workers on a fresh machine): the second waits on the lock while the
+    first compiles, then finds the library and does not compile it again."""
+    import fcntl
+    import threading
+
+    monkeypatch.setenv("GLM_LIGHTNING_CACHE", str(tmp_path))
+    builds, first_inside, second_waiting, release = [], threading.Event(), threading.Event(), threading.Event()
+    real_flock = fcntl.flock
+
+    def fake_build(cxx, out, verbose):
+        builds.append(threading.current_thread().name)
+        first_inside.set()
+        assert release.wait(30), "the second builder never reached the lock"
+        out.write_bytes(b"library")
+        return out
+
+    def flock(fd, op):
+        if threading.current_thread().name == "second":
+            second_waiting.set()
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(cext, "_build_locked", fake_build)
+    monkeypatch.setattr(cext.fcntl, "flock", flock)
+    monkeypatch.setattr(cext.shutil, "which", lambda name: "/usr/bin/true")
+    results = {}
+    first = threading.Thread(target=lambda: results.update(first=cext.build()), name="first")
+    first.start()
+    assert first_inside.wait(30)
+    second = threading.Thread(target=lambda: results.update(second=cext.build()), name="second")
+    second.start()
+    assert second_waiting.wait(30)
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert builds == ["first"]
+    assert results["first"] == results["second"] == cext.library_path()
+    assert cext.library_path().read_bytes() == b"library"

@@ -105,3 +105,28 @@ def test_expert_balance_is_logged_at_every_logging_step(tmp_path):
     scalars, _ = _scalars(tmp_path / "test" / "version_0")
     series = scalars["experts/max_over_mean_layer0"]
     assert len(series) == 4 and len(set(series)) > 1, series  # current each step, not a value from step 0
+
+
+def test_held_out_families_are_evaluated_and_never_trained(tmp_path, monkeypatch):
+    """`heldout_per_family`: the never-trained families' tasks are generated greedily and verified at each validation
+    (`val/heldout_pass`, per family); a held-out family the corpus does train on is not asked about."""
+    from datamodules import CodeCorpusDataModule
+
+    dm = CodeCorpusDataModule(families=["increment", "double", "decrement"], num_examples=8, heldout_per_family=2)
+    dm.setup("fit")
+    assert dm.heldout_families == ("triple", "square_plus_one", "max_of_list")
+    assert [t.family for t in dm.heldout_tasks] == [f for f in dm.heldout_families for _ in range(2)]
+    trained = {ex.group for ex in dm.training_examples()}
+    assert not trained & set(dm.heldout_families)
+    with pytest.raises(ValueError, match="heldout_per_family needs corpus: functions"):
+        CodeCorpusDataModule(corpus="composition", heldout_per_family=1)
+
+    monkeypatch.chdir(tmp_path)
+    main(["fit", "--config", CONF, "--trainer.logger.init_args.save_dir", str(tmp_path / "logs"),
+          "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+          "--data.init_args.families", "[increment, decrement]", "--data.init_args.heldout_per_family", "1"])
+    scalars, _ = _scalars(tmp_path / "logs" / "test" / "version_0")
+    per_family = {t: v for t, v in scalars.items() if t.startswith("val/heldout_pass/")}
+    assert sorted(per_family) == ["val/heldout_pass/max_of_list", "val/heldout_pass/square_plus_one",
+                                  "val/heldout_pass/triple"]
+    assert scalars["val/heldout_pass"][0] == pytest.approx(sum(v[0] for v in per_family.values()) / 3)

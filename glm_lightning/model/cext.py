@@ -20,6 +20,7 @@ build fails, a warning is printed once and the PyTorch forms run.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -164,8 +165,9 @@ def library_path() -> Path:
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the sources (if not cached) and return the library path. Raises on failure. Concurrent builds are
-    safe: each writes a temporary file and renames it into place (atomic)."""
+    """Compile the sources (if not cached) and return the library path. Raises on failure. Processes that need the
+    library at the same time (pytest's workers, a sweep's runs) build it once: the first takes a lock beside it and
+    the others wait for it, then load its result; the file appears by an atomic rename, never half written."""
     out = library_path()
     if out.exists():
         return out
@@ -173,6 +175,14 @@ def build(verbose: bool = False) -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if out.exists():  # another process built it while this one waited
+            return out
+        return _build_locked(cxx, out, verbose)
+
+
+def _build_locked(cxx: str, out: Path, verbose: bool) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:

@@ -3,7 +3,8 @@
 loss = cross-entropy over non-pad targets + the model's aux_loss (MoE balance + DSA indexer KL). After every
 optimizer step the MoE selection biases take one aux-loss-free balancing step. Validation reports loss,
 bits-per-byte and teacher-forced accuracy over completion bytes; on function corpora it also generates greedy
-completions for held-out task identities and runs them in the sandboxed verifier (`val/dev_pass`, per family).
+completions for held-out task identities and runs them in the sandboxed verifier (`val/dev_pass`, per family), and
+with `data.heldout_per_family` the same for families the corpus never shows (`val/heldout_pass`: generalisation).
 
 Dashboards: `train/tokens_seen` continues across a resume (it is saved in the checkpoint), the per-layer
 `experts/max_over_mean_layer{i}` is logged every logging step (the histograms every `expert_histogram_every_n_steps`),
@@ -70,8 +71,11 @@ class PretrainModule(StageModule):
         """Every key this stage logs (`val/dev_pass` only when dev tasks are generated and verified)."""
         keys = ["train/*", "val/loss", "val/bpb", "val/completion_acc", "experts/*", "lr-*", "time/*"]
         hp = getattr(datamodule, "hparams", {})
-        if self.hparams.dev_eval and hp.get("corpus", "functions") == "functions" and hp.get("dev_per_family", 1):
+        functions = self.hparams.dev_eval and hp.get("corpus", "functions") == "functions"
+        if functions and hp.get("dev_per_family", 1):
             keys += ["val/dev_pass", "val/dev_pass/*", "val/families_solved", "val/families_majority"]
+        if functions and hp.get("heldout_per_family", 0) and getattr(datamodule, "heldout_families", ()):
+            keys += ["val/heldout_pass", "val/heldout_pass/*"]
         return keys
 
     def metric_hint(self, key: str) -> str:
@@ -79,6 +83,8 @@ class PretrainModule(StageModule):
             return " (model.init_args.dev_eval is false)"
         if key.startswith("val/dev_pass"):
             return " (dev tasks exist only for data.init_args.corpus: functions with dev_per_family > 0)"
+        if key.startswith("val/heldout_pass"):
+            return " (held-out family tasks need data.init_args.heldout_per_family > 0 and model.init_args.dev_eval)"
         return ""
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -168,19 +174,25 @@ class PretrainModule(StageModule):
 
     def _dev_pass(self) -> None:
         """Greedy completions of the datamodule's dev tasks, verified; pass rate overall, per family, and the
-        number of families solved."""
+        number of families solved. Then the same for the never-trained families' tasks (`val/heldout_pass`)."""
         tasks = list(getattr(self.trainer.datamodule, "dev_tasks", None) or [])
-        if not tasks:
-            return
+        if tasks:
+            rates, sampled, verdicts = self._greedy_pass(tasks)
+            self.log("val/dev_pass", rates.pop("all"), prog_bar=True)
+            self.log_dict({f"val/dev_pass/{fam}": r for fam, r in rates.items()})
+            self.log("val/families_solved", float(sum(r == 1.0 for r in rates.values())), prog_bar=True)
+            self.log("val/families_majority", float(sum(r > 0.5 for r in rates.values())))
+            self._log_samples(sampled, verdicts)
+        heldout = list(getattr(self.trainer.datamodule, "heldout_tasks", None) or [])
+        if heldout:
+            rates, _, _ = self._greedy_pass(heldout)
+            self.log("val/heldout_pass", rates.pop("all"))
+            self.log_dict({f"val/heldout_pass/{fam}": r for fam, r in rates.items()})
+
+    def _greedy_pass(self, tasks: list[Any]) -> tuple[dict[str, float], list[Any], list[list[Any]]]:
         sampled = sample_completions(self.model, tasks, max_new_tokens=self.hparams.dev_max_new_tokens)
         verdicts = verify_samples(self.verifier, sampled)
-        passed = [v[0].status == "passed" for v in verdicts]
-        rates = pass_rates(tasks, passed)
-        self.log("val/dev_pass", rates.pop("all"), prog_bar=True)
-        self.log_dict({f"val/dev_pass/{fam}": r for fam, r in rates.items()})
-        self.log("val/families_solved", float(sum(r == 1.0 for r in rates.values())), prog_bar=True)
-        self.log("val/families_majority", float(sum(r > 0.5 for r in rates.values())))
-        self._log_samples(sampled, verdicts)
+        return pass_rates(tasks, [v[0].status == "passed" for v in verdicts]), sampled, verdicts
 
     def _log_samples(self, sampled: list[Any], verdicts: list[list[Any]]) -> None:
         writer = getattr(self.logger, "experiment", None)
