@@ -372,3 +372,20 @@ def test_a_small_margin_prints_its_numbers_with_enough_decimals():
     assert bpb.decimals == 3 and OWN.decimals == 1
     why = judge(bpb, 0.0123, 0.0051, 0.0197, 0.002, 0.004, 0.01).why
     assert "+0.012 [+0.005, +0.020]" in why and "±0.02" in why
+
+
+def test_the_own_questions_put_the_architecture_ablations_in_their_own_section():
+    """Issue 32: the findings table's own questions have an "Architecture" section (the ablation_* studies) apart from
+    the other own questions (bf16 parity), in table order, and no empty section."""
+    from types import SimpleNamespace
+
+    from glm_lightning.sweep.findings import own_sections
+
+    def row(study):
+        return SimpleNamespace(study=SimpleNamespace(name=study))
+
+    own = [(20, row("ablation_mhc")), (21, row("ablation_moe")), (22, row("bf16_parity"))]
+    sections = own_sections(own)
+    assert [title.split(":")[0] for title, _ in sections] == ["Architecture", "Numerics and settings"]
+    assert [i for i, _ in sections[0][1]] == [20, 21] and [i for i, _ in sections[1][1]] == [22]
+    assert [t for t, _ in own_sections(own[2:])] == ["Numerics and settings"]

@@ -84,6 +84,8 @@ def test_sweep_runs_every_variant_and_seed_and_writes_report(tiny_sweep):
 
 def test_results_file_saves_every_finished_run(tiny_sweep):
     """results.json (what `sweep findings` reads and commits) holds each run's fingerprint and final metrics."""
+    from glm_lightning.sweep.fingerprint import git_revision
+
     outcome, out = tiny_sweep
     saved = json.loads((out / "sweep_tiny" / "results.json").read_text())
     assert saved["study"] == "sweep_tiny" and saved["workers"] == 2 and saved["ran_now"] == 4
@@ -96,6 +98,7 @@ def test_results_file_saves_every_finished_run(tiny_sweep):
         done = _done(out, variant, seed)
         assert by_key[variant, seed]["fingerprint"] == done["fingerprint"]
         assert set(done["parts"]) == {"arguments", "configs", "checkpoints", "source"}
+        assert done["git"] == git_revision() == by_key[variant, seed]["git"]  # the commit each run ran at
         assert by_key[variant, seed]["final"] == {t: done["final"][t] for t in ("val/completion_acc", "val/loss")}
 
 

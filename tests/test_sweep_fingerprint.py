@@ -51,13 +51,14 @@ def study_file(tmp_path: Path) -> Path:
     return path
 
 
-def _finish(study, out: Path) -> None:
-    """Write DONE.json for every run as `runner.finalize` does (fingerprint, parts, identity, final metrics)."""
+def _finish(study, out: Path, git: str | None = None) -> None:
+    """Write DONE.json for every run as `runner.finalize` does (fingerprint, parts, identity, final metrics, and the
+    commit when `git` is given; runs recorded before runs kept their commit have none)."""
     for i, spec in enumerate(plan_runs(study, out)):
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         done = {"variant": spec.variant, "seed": spec.seed, "fingerprint": spec.fingerprint, "parts": spec.parts,
                 "identity": spec.identity, "final": {"val/completion_acc": 0.5 + 0.01 * i, "val/loss": 1.0},
-                "steps": {}, "wall_s": 1.0}
+                "steps": {}, "wall_s": 1.0, **({"git": git} if git else {})}
         (spec.run_dir / DONE_FILE).write_text(json.dumps(done))
 
 
@@ -131,6 +132,24 @@ def test_accept_old_runs_reuses_them_and_keeps_their_fingerprint(study_file, tmp
     assert any("reusing 4 run(s) made from other inputs: the package source" in line for line in said)
     saved = json.loads((out / "sweep_tiny" / "results.json").read_text())
     assert {f"{r['variant']}/seed{r['seed']}": r["fingerprint"] for r in saved["runs"]} == old
+
+
+@pytest.mark.parametrize("recorded", ["abc1234", None])
+def test_reused_runs_report_the_commit_they_recorded_not_the_one_checked_out_now(study_file, tmp_path, recorded):
+    """Issue 31, part 4: `--report-only` (and reused runs) name the commit each run recorded when it finished, or
+    say that it recorded none; the checked-out commit is only the report's own."""
+    out = tmp_path / "out"
+    _finish(load_study(study_file), out, git=recorded)
+    run_sweep(["--config", str(study_file), "--out", str(out), "--report-only"], log=_quiet)
+    report = (out / "sweep_tiny" / "REPORT.md").read_text()
+    saved = json.loads((out / "sweep_tiny" / "results.json").read_text())
+    code = next(line for line in report.splitlines() if line.startswith("- code:"))
+    if recorded:
+        assert "runs at git abc1234 (4 runs)" in code and saved["git"] == "abc1234"
+        assert [r["git"] for r in saved["runs"]] == ["abc1234"] * 4
+    else:
+        assert "4 run(s) recorded no commit" in code and "the runs recorded no commit" in saved["git"]
+    assert "report written" in code
 
 
 def test_rerun_changed_runs_them_again(study_file, tmp_path, monkeypatch):

@@ -229,8 +229,8 @@ def write_outputs(outcome: SweepOutcome, reproduce: str, elapsed_s: float | None
                   workers: int | None = None) -> None:
     from glm_lightning.sweep.analysis import analyse, load_curves
     from glm_lightning.sweep.findings import RESULTS_FILE, results_payload, write_results
-    from glm_lightning.sweep.report import (TRAIN_CURVE_TAG, git_revision, plot_curves, plot_paired, write_hparams,
-                                            write_report)
+    from glm_lightning.sweep.report import (TRAIN_CURVE_TAG, git_revision, plot_curves, plot_paired, runs_commit,
+                                            write_hparams, write_report)
 
     study, out_dir, results = outcome.study, outcome.out_dir, outcome.results
     analyses = analyse(study, results)
@@ -245,8 +245,9 @@ def write_outputs(outcome: SweepOutcome, reproduce: str, elapsed_s: float | None
         write_hparams(study, results, out_dir)
     outcome.charts = charts
     outcome.report = write_report(study, analyses, results, charts, out_dir, reproduce, 0, elapsed_s, workers)
-    write_results(out_dir / RESULTS_FILE, results_payload(study, results, reproduce, elapsed_s, workers,
-                                                          git_revision()))
+    ran_at = runs_commit([r for r in results if r.ok])
+    write_results(out_dir / RESULTS_FILE, results_payload(study, results, reproduce, elapsed_s, workers, ran_at or (
+        f"{git_revision()} (the report's: the runs recorded no commit)")))
     for a in analyses[:1]:
         for c in a.comparisons:
             print(f"[sweep] {a.metric.tag}: {c.verdict}")

@@ -27,7 +27,7 @@ from typing import Any
 from glm_lightning.stats import format_p, holm, tost_sign_flip
 from glm_lightning.sweep.analysis import Comparison, MetricAnalysis, analyse
 from glm_lightning.sweep.claims import Claim, Verdict, judge
-from glm_lightning.sweep.report import commit_in_repository
+from glm_lightning.sweep.report import commit_in_repository, runs_commit
 from glm_lightning.sweep.runner import RunResult, RunSpec, finished_result, plan_runs, read_done
 from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError, load_study
 
@@ -46,7 +46,7 @@ def results_payload(study: Study, results: Sequence[RunResult], command: str, el
     """What a sweep saves next to its report: per finished run its fingerprint, the final value of every study
     metric and its wall time, plus how the invocation ran. Small enough to commit."""
     tags = [m.tag for m in study.metrics]
-    runs = [{"variant": r.spec.variant, "seed": r.spec.seed, "fingerprint": r.spec.fingerprint,
+    runs = [{"variant": r.spec.variant, "seed": r.spec.seed, "fingerprint": r.spec.fingerprint, "git": r.git,
              "identity": r.spec.identity, "parts": r.spec.parts,
              "final": {t: r.final[t] for t in tags if t in r.final}, "wall_s": round(r.wall_s, 2)}
             for r in results if r.ok]
@@ -116,7 +116,8 @@ def from_saved(study: Study, path: Path, runs_root: Path) -> StudyResults:
             out.stale += 1
             continue
         spec = replace(spec, fingerprint=str(run.get("fingerprint")), parts=dict(run.get("parts") or {}))
-        out.results.append(RunResult(spec, "skipped", dict(run.get("final", {})), {}, float(run.get("wall_s", 0))))
+        out.results.append(RunResult(spec, "skipped", dict(run.get("final", {})), {}, float(run.get("wall_s", 0)),
+                                     git=str(run.get("git") or "")))
     out.meta = {k: v for k, v in data.items() if k != "runs"}
     return out
 
@@ -274,6 +275,20 @@ paired comparison with the study's control, judged by the rule for "no differenc
 table above, and its notes and code commits cover these rows too."""
 
 
+ARCHITECTURE_PREFIX = "ablation_"
+"""Studies named ablation_* ask what a part of the architecture buys: the "Architecture" section of the own questions."""
+
+
+def own_sections(own: Sequence[tuple[int, Row]]) -> list[tuple[str, list[tuple[int, Row]]]]:
+    """The own questions by kind: the architecture ablations (what each part buys, docs/results/ablations.md), then
+    the rest (numerics and settings, e.g. bf16 parity); empty sections are left out."""
+    arch = [(i, r) for i, r in own if r.study.name.startswith(ARCHITECTURE_PREFIX)]
+    rest = [(i, r) for i, r in own if not r.study.name.startswith(ARCHITECTURE_PREFIX)]
+    return [(title, rows) for title, rows in (
+        ("Architecture: what each part buys ([ablations](ablations.md))", arch),
+        ("Numerics and settings", rest)) if rows]
+
+
 def _table_row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
 
@@ -289,9 +304,11 @@ def render(rows: Sequence[Row], generated: str, found_meta: dict[str, dict[str, 
         lines.append(_table_row([str(i), claim, _tutorial_cell(r.claim), r.ours, r.verdict, r.command, r.wall]))
     own = [(i, r) for i, r in enumerate(rows, 1) if r.claim.own]
     if own:
-        lines += ["", OWN_HEADER, "", "| # | question | ours (effect, 95% CI, p, n) | verdict | command | wall time |",
-                  "|---|---|---|---|---|---|"]
-        lines += [_table_row([str(i), r.claim.claim, r.ours, r.verdict, r.command, r.wall]) for i, r in own]
+        lines += ["", OWN_HEADER]
+        for title, rows_in in own_sections(own):
+            lines += ["", f"### {title}", "", "| # | question | ours (effect, 95% CI, p, n) | verdict | command | wall time |",
+                      "|---|---|---|---|---|---|"]
+            lines += [_table_row([str(i), r.claim.claim, r.ours, r.verdict, r.command, r.wall]) for i, r in rows_in]
     notes = [(i, r) for i, r in enumerate(rows, 1) if r.claim.measure or r.claim.earlier or r.claim.margin]
     if notes:
         lines += ["", "## Notes per row", ""]
@@ -329,7 +346,8 @@ def build_rows(studies: Sequence[Study], runs_root: Path, data_dir: Path,
         found_all.append(found)
         if save and found.results and found.source == str(runs_root / study.name):
             payload = results_payload(study, found.results, found.meta.get("command", ""),
-                                      found.meta.get("elapsed_s"), found.meta.get("workers"), found.meta.get("git", ""))
+                                      found.meta.get("elapsed_s"), found.meta.get("workers"),
+                                      runs_commit(found.results) or found.meta.get("git", ""))
             payload["ran_now"] = found.meta.get("ran_now", 0)
             write_results(data_dir / f"{study.name}.json", payload)
         rows += [claim_row(c, found) for c in study.claims]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -194,3 +195,16 @@ def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     if old.get("source") != new.get("source"):
         out.append(f"the package source ({str(old.get('source'))[:8]} -> {str(new.get('source'))[:8]})")
     return out
+
+
+def git_revision() -> str:
+    """The checked-out commit (short hash), marked when tracked files have uncommitted changes; "unknown" outside
+    a git checkout."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (rev or "unknown") + (" (with uncommitted changes)" if dirty else "")

@@ -15,7 +15,7 @@ from typing import Any
 from glm_lightning.power import POWER
 from glm_lightning.stats import EXACT_SIGN_FLIP_MAX_N, format_p, min_attainable_p, underpowered_text
 from glm_lightning.sweep.analysis import Comparison, Curves, MetricAnalysis, curve_band, metric_bounds
-from glm_lightning.sweep.fingerprint import file_digest, referenced_files, source_digest
+from glm_lightning.sweep.fingerprint import file_digest, git_revision, referenced_files, source_digest
 from glm_lightning.sweep.runner import RunResult
 from glm_lightning.sweep.study import REPO_ROOT, Metric, Study, overrides_to_args
 
@@ -55,23 +55,12 @@ def _range_note(metric: Metric, a: MetricAnalysis) -> str:
     return f", clipped to [{bounds[0] * metric.scale:g}, {bounds[1] * metric.scale:g}]"
 
 
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (rev or "unknown") + (" (with uncommitted changes)" if dirty else "")
-
-
 def commit_in_repository(rev: str, repo: Path = REPO_ROOT) -> bool | None:
     """Whether `rev` (a hash as reports record it) names a commit in this repository's history, i.e. one the
     checked-out commit descends from (a commit that lives only in a local object store, a rebased branch's
     original say, is absent from a fresh clone); None when no git repository can be asked (an unpacked copy).
     A report whose commit is not there must say so (or be re-run)."""
-    rev = rev.split()[0] if rev.split() else ""
+    rev = rev.split()[0].rstrip(",") if rev.split() else ""
     if not rev or rev == "unknown":
         return False
     try:
@@ -84,6 +73,23 @@ def commit_in_repository(rev: str, repo: Path = REPO_ROOT) -> bool | None:
     if inside.returncode != 0:
         return None
     return proc.returncode == 0
+
+
+def runs_commit(results: Sequence[RunResult]) -> str:
+    """The commit the runs ran at, as each recorded it when it finished: one hash, or several joined by ", "; empty
+    when none recorded one (runs finished before runs kept their commit)."""
+    return ", ".join(dict.fromkeys(sorted(r.git for r in results if r.git)))
+
+
+def runs_code(results: Sequence[RunResult]) -> str:
+    """The report's code line: which commit(s) the runs ran at, and how many recorded none."""
+    by_rev: dict[str, int] = {}
+    for r in results:
+        by_rev[r.git] = by_rev.get(r.git, 0) + 1
+    parts = [f"git {rev} ({n} run{'s' if n != 1 else ''})" for rev, n in sorted(by_rev.items()) if rev]
+    if by_rev.get(""):
+        parts.append(f"{by_rev['']} run(s) recorded no commit (finished before runs recorded theirs)")
+    return "runs at " + ("; ".join(parts) if parts else "no recorded commit")
 
 
 # --- charts ----------------------------------------------------------------------------------------------------------
@@ -331,8 +337,8 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
                      + (f" with {workers} workers" if workers else ""))
     if study.budget:
         lines.append(f"- budget: {study.budget}")
-    lines += [f"- code: git {git_revision()}, package source digest `{source_digest()}`; report written "
-              f"{time.strftime('%Y-%m-%d %H:%M')}", ""]
+    lines += [f"- code: {runs_code(ok)}; package source digest `{source_digest()}`; report written "
+              f"{time.strftime('%Y-%m-%d %H:%M')} at git {git_revision()}", ""]
     if study.blocks:
         lines += block_section(study, primary, results)
 

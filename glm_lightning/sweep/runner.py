@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from glm_lightning.sweep.events import final_values, read_scalars
-from glm_lightning.sweep.fingerprint import combine, describe_changes
+from glm_lightning.sweep.fingerprint import combine, describe_changes, git_revision
 from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError
 
 DONE_FILE = "DONE.json"
@@ -72,6 +72,8 @@ class RunResult:
     wall_s: float = 0.0
     returncode: int | None = None
     error: str = ""
+    git: str = ""
+    """The commit checked out when the run finished (its DONE.json); empty for runs recorded before runs kept it."""
 
     @property
     def ok(self) -> bool:
@@ -251,13 +253,14 @@ def finalize(spec: RunSpec, rc: int, wall_s: float) -> RunResult:
         else:
             error = "" if final else "the run finished but wrote no TensorBoard scalars (is trainer.logger set?)"
         if not error:
-            done = {"variant": spec.variant, "seed": spec.seed, "fingerprint": spec.fingerprint,
+            git = git_revision()
+            done = {"variant": spec.variant, "git": git, "seed": spec.seed, "fingerprint": spec.fingerprint,
                     "parts": spec.parts, "identity": spec.identity, "final": final, "steps": steps,
                     "wall_s": round(wall_s, 2),
                     "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "command": " ".join(spec.command())}
             (spec.run_dir / DONE_FILE).write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
-            return RunResult(spec, "done", final, steps, wall_s, rc)
+            return RunResult(spec, "done", final, steps, wall_s, rc, git=git)
     else:
         error = tail(spec.run_dir / "stderr.log") or f"exit status {rc}"
     (spec.run_dir / FAILED_FILE).write_text(json.dumps({"returncode": rc, "wall_s": round(wall_s, 2),
@@ -426,7 +429,8 @@ def finished_result(spec: RunSpec, done: dict[str, Any]) -> RunResult:
     """A RunResult of a run finished earlier; an accepted old run keeps the fingerprint it was made with."""
     if done.get("fingerprint") != spec.fingerprint:
         spec = replace(spec, fingerprint=str(done.get("fingerprint")), parts=dict(done.get("parts") or {}))
-    return RunResult(spec, "skipped", done.get("final", {}), done.get("steps", {}), float(done.get("wall_s", 0.0)))
+    return RunResult(spec, "skipped", done.get("final", {}), done.get("steps", {}), float(done.get("wall_s", 0.0)),
+                     git=str(done.get("git") or ""))
 
 
 def execute(study: Study, specs: Iterable[RunSpec], backend: LocalBackend | RayBackend,
