@@ -465,13 +465,31 @@ def test_cpp_recurrent_core_equals_the_eager_recurrence(K, V, T):
 
 
 @CPP
-@pytest.mark.parametrize("K,V", [(16, 16), (16, 32)])
+@pytest.mark.parametrize("K,V", [(16, 16), (8, 16)])
 def test_cpp_recurrent_core_gradcheck_fp64(K, V):
     """gradcheck of the C++ recurrence (fp64 instantiation) over two segments and a tail: a square head as the op takes
     it, and an unequal one zero-padded to a square (recurrent_cpp)."""
 
     xs = [x.requires_grad_() for x in _inputs(1, SEGMENT + 5, 2, K, V, dtype=torch.float64, seed=13)]
     assert torch.autograd.gradcheck(recurrent_cpp, xs, fast_mode=True)
+
+
+@CPP
+def test_fp64_heads_the_cpp_recurrence_is_not_built_for_take_the_chunked_form():
+    """fp64 is compiled for 16-wide heads only (gradcheck; the wider fp64 instantiations cost minutes of g++): a 32-wide
+    fp64 head goes to the chunked form and still equals the reference; 16-wide and smaller take the C++ op."""
+    xs = _inputs(1, 20, 2, 32, 32, dtype=torch.float64, seed=14)
+    calls = []
+    orig = KDARecurrentCpp.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KDARecurrentCpp, "apply", lambda *a: calls.append(1) or orig(*a))
+        o, s = kda_core(*xs[:5], 16, xs[5])
+        assert not calls
+        kda_core(*_inputs(1, 20, 2, 8, 16, dtype=torch.float64, seed=15)[:5], 16)
+        assert calls == [1]
+    ref, s_ref = kda_recurrent(*xs[:5], initial_state=xs[5])
+    torch.testing.assert_close(o, ref)
+    torch.testing.assert_close(s, s_ref)
 
 
 @CPP

@@ -8,8 +8,9 @@ of tiny ops; a C++ op is one dispatched op forward and one backward for what eag
 sources (torch's headers are parsed once per unit), one per core up to MAX_JOBS, in parallel, and links them; the ops
 register through TORCH_LIBRARY (schema `glm_lightning::...`).
 
-    GLM_LIGHTNING_EXT=auto (default)  build at first use (~2 min of CPU, ~1 min wall on 2 cores; once per
-                                      source/torch version) and use it
+    GLM_LIGHTNING_EXT=auto (default)  build at first use (~4 min of g++ CPU, ~2 min wall on 2 cores on
+                                      an AVX2 machine, half that with AVX-512; once per source/torch
+                                      version/CPU) and use it
     GLM_LIGHTNING_EXT=0               never build or load it: the PyTorch forms only
     make ext                          build now and print the library path and the build time
 
@@ -44,12 +45,14 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp
 HEADERS = (Path(__file__).parent / "csrc" / "kernel_helpers.h",)
 """Included by the sources: hashed with them, so that a change rebuilds the library."""
 BUILD_TIMEOUT_S = 2400
-"""Upper bound of one build's wall time: ~2 min of g++ CPU time on the 2-core dev machine (about 1 min of wall time
-when it is idle), but a unit took over 15 min of wall time there while four other builds and test runs shared the two
-cores (600 s killed it)."""
-COMPILE_S = {"sinkhorn.cpp": 47.0, "kda_recurrent.cpp": 42.0}
-"""Seconds of g++ per source beyond torch's headers (~6 s), measured one file at a time on the dev machine; the other
-sources take 1-2 s (`DEFAULT_COMPILE_S`). Used only to balance the parallel build's translation units."""
+"""Upper bound of one build's wall time: ~4 min of g++ CPU time on a 2-core AVX2 machine (247 s; about 2 min of wall
+time when it is idle), but a unit took over 15 min of wall time there while four other builds and test runs shared
+the two cores (600 s killed it)."""
+COMPILE_S = {"sinkhorn.cpp": 107.0, "kda_recurrent.cpp": 87.0}
+"""Seconds of g++ per source beyond torch's headers (~13 s), measured one file at a time on an AVX2 machine (the
+kernels' 16-lane vectors are one AVX-512 register but two AVX2 ones, so AVX2 machines compile them 2-3x longer: 47 and
+42 s on an AVX-512 one); the other sources take 1-2 s (`DEFAULT_COMPILE_S`). Used only to balance the parallel
+build's translation units."""
 DEFAULT_COMPILE_S = 2.0
 MAX_JOBS = 4
 """At most this many g++ processes at once (each holds ~1-1.5 GB)."""

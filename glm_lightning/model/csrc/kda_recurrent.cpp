@@ -19,7 +19,7 @@
 //   kda_recurrent_fwd(q, k, v, g, beta [B, T, H(, K)], S0 [B, H, K, V], seg) -> (o [B, T, H, V], S_ckpt)
 //   kda_recurrent_bwd(dO, dS_last, q, k, v, g, beta, S_ckpt, seg) -> (dq, dk, dv, dg, dbeta, dS0)
 // q, k, v, g, beta, dO may be strided in their first three dimensions; the last one is contiguous. fp32 and fp64 (for
-// gradcheck); K == V in {16, 32, 64}.
+// gradcheck, K == V == 16 only); K == V in {16, 32, 64}.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -236,17 +236,23 @@ void backward_impl(const at::Tensor& dO, const at::Tensor& dS_last, const at::Te
   });
 }
 
-// Square heads only (K == V: the model's heads; glm_lightning/model/kda_recurrent_cpp.py zero-pads other shapes up to
+// Square heads only (K == V: the model's heads; glm_lightning/model/ops/kda_recurrent.py zero-pads other shapes up to
 // one): each size is a fully unrolled state, and the six K != V instantiations took 36 of the file's 84 s of g++.
+// fp64 (gradcheck only) at K == 16 only: a 16-lane fp64 vector is 1024 bits, and its 32 and 64 instantiations took
+// 374 of the file's 474 s of g++ on an AVX2 machine (vectors wider than the machine's are split by the compiler);
+// 100 s without them (fp32 16/32/64 + fp64 16). The ops layer sends other fp64 heads to the chunked form.
 template <typename F>
 void dispatch(at::ScalarType dtype, int64_t K, int64_t V, F&& fn) {
   TORCH_CHECK(K == V && (K == 16 || K == 32 || K == 64), "kda_recurrent: K == V in {16, 32, 64} only, got ", K, ", ",
               V);
-  AT_DISPATCH_FLOATING_TYPES(dtype, "kda_recurrent", [&] {
-    if (K == 16) return fn.template operator()<scalar_t, 16, 16>();
-    if (K == 32) return fn.template operator()<scalar_t, 32, 32>();
-    return fn.template operator()<scalar_t, 64, 64>();
-  });
+  if (dtype == at::kDouble) {
+    TORCH_CHECK(K == 16, "kda_recurrent: fp64 for K == V == 16 only (gradcheck), got ", K);
+    return fn.template operator()<double, 16, 16>();
+  }
+  TORCH_CHECK(dtype == at::kFloat, "kda_recurrent: fp32 or fp64 only, got ", dtype);
+  if (K == 16) return fn.template operator()<float, 16, 16>();
+  if (K == 32) return fn.template operator()<float, 32, 32>();
+  return fn.template operator()<float, 64, 64>();
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,

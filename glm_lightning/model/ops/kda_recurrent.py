@@ -27,9 +27,11 @@ SEGMENT = 32
 one [K, V] state per head and segment, 3 MB per flash-25m layer at 32 x 128)."""
 
 
-def recurrent_cpp_takes(K: int, V: int) -> bool:
-    """Whether the C++ recurrence is compiled for key size K and value size V (zero-padded up to a square size)."""
-    return 0 < K <= thresholds.KDA_RECURRENT_SIZES[-1] and 0 < V <= thresholds.KDA_RECURRENT_SIZES[-1]
+def recurrent_cpp_takes(K: int, V: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the C++ recurrence is compiled for key size K and value size V (zero-padded up to a square size) in
+    this dtype (fp64 only for small heads: gradcheck)."""
+    largest = (thresholds.KDA_RECURRENT_FP64_SIZES if dtype is torch.float64 else thresholds.KDA_RECURRENT_SIZES)[-1]
+    return 0 < K <= largest and 0 < V <= largest
 
 
 class _KDARecurrentCpp(torch.autograd.Function):
@@ -75,7 +77,7 @@ def kda_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_siz
     None) or when asked (True), else the chunked form (``chunk_size`` and ``gate_bound`` only serve it)."""
     K, V = q.shape[-1], v.shape[-1]
     use_cpp = (backend.takes(q, k, v, g, beta) if cpp is None else cpp) and q.shape[1] > 0
-    if use_cpp and recurrent_cpp_takes(K, V):
+    if use_cpp and recurrent_cpp_takes(K, V, q.dtype):
         B, _, H, _ = q.shape
         S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(q.dtype)
         return recurrent_cpp(q, k, v, g, beta, S)

@@ -64,4 +64,7 @@ SITE_READ_MAX_STREAMS = 6
 SHORT_CONV_MAX_KERNEL = 16
 """The short conv + SiLU (csrc/short_conv.cpp)."""
 KDA_RECURRENT_SIZES = (16, 32, 64)
-"""Head sizes the C++ KDA recurrence is compiled for (square; smaller heads are zero-padded up)."""
+"""Head sizes the C++ KDA recurrence is compiled for in fp32 (square; smaller heads are zero-padded up)."""
+KDA_RECURRENT_FP64_SIZES = (16,)
+"""...and in fp64 (gradcheck only): the 32 and 64 fp64 instantiations took 374 of the file's 474 s of g++ on an AVX2
+machine (a fresh clone's first test run waited ~9 min for the build), 100 s without them."""
