@@ -26,7 +26,9 @@ import logging
 import os
 import platform
 import secrets
+import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -483,6 +485,29 @@ def test_protections_report_the_kernel_layer(monkeypatch):
                                                          "mount", "pidfd_open", "setpriority", "ptrace", "bpf",
                                                          "perf_event_open", "io_uring_setup", "flock"}
         assert v.summary().startswith("verifier: kernel isolation active")
+
+
+def test_full_sandbox_with_the_interpreter_reached_through_tmp(monkeypatch):
+    """A project cloned under /tmp runs Python from /tmp/<clone>/.venv/bin/python, a link to the real interpreter.
+    The launcher must judge what lives under /tmp by the interpreter's host path: it once resolved the link inside
+    the private root, where it does not exist, kept the /tmp prefix, gave up the private /tmp and failed to start,
+    so every verifier in such a clone refused to run (a fresh clone's make test: 211 errors)."""
+    monkeypatch.delenv("GLM_VERIFIER_UNSAFE_NO_AUDIT_HOOK", raising=False)
+    with Verifier(timeout_s=TIMEOUT_S, workers=1) as v:
+        if not v.protections["private_root"]:
+            pytest.skip(f"private root unavailable here: {v.missing}")
+    venv = tempfile.mkdtemp(prefix="glm-venv-", dir="/tmp")
+    try:
+        link = os.path.join(venv, "python")
+        os.symlink(os.path.realpath(sys.executable), link)
+        monkeypatch.setattr(sys, "executable", link)
+        with Verifier(timeout_s=TIMEOUT_S, workers=1) as v:
+            assert v.missing == [], v.protections["setup_errors"]
+            assert "/tmp" in v.protections["private_tmpfs"]
+            assert v.check(*LEGIT).passed
+    finally:
+        os.unlink(os.path.join(venv, "python"))
+        os.rmdir(venv)
 
 
 def test_weaker_sandbox_is_refused_unless_opted_in(monkeypatch, caplog):

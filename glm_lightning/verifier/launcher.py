@@ -179,9 +179,13 @@ def _mount_points() -> list[tuple[str, set[str]]]:
     return out
 
 
-def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: str, private_root: bool) -> str:
+def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: str, private_root: bool,
+                 python: str) -> str:
     """A private root (with PID namespace), private tmpfs for every writable place, a fresh /proc, everything else
-    read-only (in our namespace only). Returns the zygote script's path."""
+    read-only (in our namespace only). `python`: the interpreter's real path, resolved on the host before the pivot
+    (inside the private root a virtual environment's path, e.g. /tmp/clone/.venv/bin/python, does not exist, so
+    resolving it there kept its /tmp prefix and the sandbox gave up its private /tmp). Returns the zygote script's
+    path."""
     mount(None, "/", None, MS_REC | MS_PRIVATE, None)
     script = ZYGOTE_SCRIPT
     if spaces["pid"] and private_root:  # a fresh /proc needs the PID namespace; so does hiding the host
@@ -196,7 +200,7 @@ def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: 
         except OSError as exc:
             report["errors"].append(str(exc))
     private = []
-    needed = [os.path.dirname(script) + "/", os.path.realpath(sys.executable)]
+    needed = [os.path.dirname(script) + "/", python]
     if any(p.startswith("/tmp/") for p in needed):  # no private /tmp, so no work tmpfs: keep the host scratch
         needed.append(os.path.realpath(host_scratch) + "/")
     for path, size, inodes in TMPFS:
@@ -277,7 +281,7 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
         if os.getppid() not in (parent, 0):  # 0: the parent lives outside our new PID namespace
             os._exit(1)
         if spaces["mount"]:
-            script = setup_mounts(spaces, report, config["scratch"], bool(config.get("private_root", True)))
+            script = setup_mounts(spaces, report, config["scratch"], bool(config.get("private_root", True)), python)
     except OSError as exc:
         report["errors"].append(str(exc))
         report["private_tmpfs"], report["private_proc"] = [], False

@@ -140,6 +140,8 @@ class ZygoteProcess:
                        "hidden_probe": PROJECT_DIR}
         self.proc: subprocess.Popen | None = None
         self.hello: dict[str, Any] = {}
+        self.start_errors: list[str] = []
+        """Why the attempts before the one that started failed (e.g. with namespaces): shown by a weaker sandbox."""
 
     @property
     def launcher(self) -> str:
@@ -164,6 +166,7 @@ class ZygoteProcess:
             self.config["isolate"] = isolate
             try:
                 self._start()
+                self.start_errors = errors
                 return
             except (OSError, RuntimeError, ValueError) as exc:
                 errors.append(f"{'with' if isolate else 'without'} namespaces: {exc}")

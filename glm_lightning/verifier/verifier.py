@@ -64,7 +64,7 @@ class Verifier:
         self._finalizer = weakref.finalize(self, self._pool.close)  # also runs at interpreter exit
         self.missing = self.missing_protections()
         if self.missing:
-            what = f"verifier: weaker sandbox, not active here: {', '.join(self.missing)} (see docs/verifier.md)"
+            what = self.summary()
             opted_in = allow_weaker_sandbox or os.environ.get(ALLOW_WEAKER_ENV) == "1" or \
                 any(os.environ.get(name) == "1" for name in UNSAFE_TEST_SWITCHES)
             if not opted_in:
@@ -148,7 +148,7 @@ class Verifier:
             "stale_servers_reaped_at_start": self._pool.reaped,
             "child_exit_wakeup": "SIGCHLD",
             "preloaded_modules": len(zygote.hello.get("preloaded", [])),
-            "setup_errors": sandbox.get("errors", []),
+            "setup_errors": [*zygote.start_errors, *sandbox.get("errors", [])],
         }
 
     def missing_protections(self) -> list[str]:
@@ -162,7 +162,9 @@ class Verifier:
     def summary(self) -> str:
         """One line for logs at start-up: what isolates candidates here, or what is missing."""
         if self.missing:
-            return f"verifier: weaker sandbox, not active here: {', '.join(self.missing)} (see docs/verifier.md)"
+            errors = self.protections["setup_errors"]
+            why = f"; first set-up error: {' '.join(errors[0].split())[-300:]}" if errors else ""
+            return f"verifier: weaker sandbox, not active here: {', '.join(self.missing)} (see docs/verifier.md){why}"
         return ("verifier: kernel isolation active (private root without the project's files, seccomp allowlist, "
                 "mount/PID/IPC/network namespaces, private tmpfs, uid " + str(self.protections["unprivileged_uid"]) +
                 ", rlimits); audit hook for messages")
