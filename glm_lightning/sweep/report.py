@@ -78,7 +78,7 @@ def commit_in_repository(rev: str, repo: Path = REPO_ROOT) -> bool | None:
 def runs_commit(results: Sequence[RunResult]) -> str:
     """The commit the runs ran at, as each recorded it when it finished: one hash, or several joined by ", "; empty
     when none recorded one (runs finished before runs kept their commit)."""
-    return ", ".join(dict.fromkeys(sorted(r.git for r in results if r.git)))
+    return ", ".join(sorted({r.git for r in results if r.git}))
 
 
 def runs_code(results: Sequence[RunResult]) -> str:
