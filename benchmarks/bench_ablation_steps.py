@@ -10,7 +10,10 @@ clipping, the fused AdamW step and the MoE balancing update, as a Lightning trai
 one process, `--steps` steps each per round after one warm-up round; the median over rounds is the arm's time, and
 the spread (min-max of the per-round medians) says how steady the sitting was. Run it with nothing else on the
 machine. `--write` saves the table to docs/results/data/ablation_step_times.json, which the studies' equal-time arms
-take their step counts from (`equal_time_steps`; tests/test_ablation_studies.py checks that they agree).
+take their step counts from (`equal_time_steps`; tests/test_ablation_studies.py checks that they agree). With
+`--studies` naming some studies, `--write` replaces only their arms (each arm records when and at which commit it was
+timed): a study's arms and its control are always timed in one sitting, and the studies already run keep the times
+their equal-time arms were planned from.
 """
 
 from __future__ import annotations
@@ -115,12 +118,25 @@ def run(studies: Sequence[str] = STUDIES, rounds: int = 7, steps: int = 4) -> di
             arms.setdefault(names[key], ov)
             members.setdefault(names[key], []).append(f"{study}/{variant}")
     times = measure(arms, rounds, steps)
-    by_variant = {m: {**times[arm], "timed_as": arm} for arm, ms in members.items() for m in ms}
     from glm_lightning.sweep.report import git_revision
+
+    sitting = {"git": git_revision(), "measured_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    by_variant = {m: {**times[arm], "timed_as": arm, **sitting} for arm, ms in members.items() for m in ms}
 
     return {"by_variant": by_variant, "git": git_revision(), "rounds": rounds, "steps_per_round": steps, "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(), "torch_cpu": torch.backends.cpu.get_cpu_capability(),
             "load_before": os.getloadavg()[0], "measured_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+def merged(res: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`res` written over the saved table: the arms of the studies just timed replace theirs (all of each study's
+    arms, so no study mixes two sittings); the other studies' arms stay as they were measured."""
+    if not path.is_file():
+        return res
+    old = json.loads(path.read_text())
+    timed = {k.split("/")[0] for k in res["by_variant"]}
+    kept = {k: v for k, v in old.get("by_variant", {}).items() if k.split("/")[0] not in timed}
+    return {**old, **{k: v for k, v in res.items() if k != "by_variant"}, "by_variant": {**kept, **res["by_variant"]}}
 
 
 def table(res: dict[str, Any]) -> list[str]:
@@ -152,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"\n{res['threads']} thread(s), {res['rounds']} rounds x {res['steps_per_round']} steps, torch CPU "
           f"capability {res['torch_cpu']}, load before {res['load_before']:.2f}")
     if args.write:
-        RESULTS.write_text(json.dumps(res, indent=1) + "\n")
+        RESULTS.write_text(json.dumps(merged(res, RESULTS), indent=1) + "\n")
         print(f"wrote {RESULTS.relative_to(REPO)}")
     return res
 

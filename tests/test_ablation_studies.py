@@ -75,3 +75,22 @@ def test_the_ablation_base_is_the_demo_pretraining_with_a_finer_evaluation():
     assert changed == {"trainer.val_check_interval", "trainer.logger.init_args.name", "data.init_args.dev_per_family",
                        "data.init_args.heldout_per_family"}
     assert ablation["trainer.max_steps"] % ablation["trainer.val_check_interval"] == 0
+
+
+def test_timing_some_studies_again_replaces_only_their_arms(tmp_path):
+    """Re-timing one study (after changing its arms) must not move the step times the other studies' equal-time arms
+    were planned from, and must replace all of that study's arms, its control included (one sitting per study)."""
+    import json
+
+    from benchmarks.bench_ablation_steps import merged
+
+    saved = {"git": "old", "by_variant": {"moe/moe": {"seconds_per_step": 0.8}, "mixer/LLLS": {"seconds_per_step": 0.8},
+                                          "mixer/all_DSA": {"seconds_per_step": 0.7}}}
+    path = tmp_path / "times.json"
+    path.write_text(json.dumps(saved))
+    new = {"git": "new", "by_variant": {"mixer/LLLS": {"seconds_per_step": 0.9}, "mixer/all_KDA": {"seconds_per_step": 1.0}}}
+    out = merged(new, path)
+    assert out["git"] == "new"
+    assert out["by_variant"] == {"moe/moe": {"seconds_per_step": 0.8}, "mixer/LLLS": {"seconds_per_step": 0.9},
+                                 "mixer/all_KDA": {"seconds_per_step": 1.0}}  # mixer/all_DSA (old sitting) is gone
+    assert merged(new, tmp_path / "none.json") == new

@@ -5,6 +5,7 @@ the shipped study files' claims."""
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -389,3 +390,28 @@ def test_the_own_questions_put_the_architecture_ablations_in_their_own_section()
     assert [title.split(":")[0] for title, _ in sections] == ["Architecture", "Numerics and settings"]
     assert [i for i, _ in sections[0][1]] == [20, 21] and [i for i, _ in sections[1][1]] == [22]
     assert [t for t, _ in own_sections(own[2:])] == ["Numerics and settings"]
+
+
+def test_the_saved_results_keep_each_runs_evaluation_curve(tmp_path):
+    """The committed data must redraw a study's curves once its (git-ignored) run folders are gone: the curve comes
+    from the run's events, survives a reload of the saved file and a second save from it."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from glm_lightning.sweep.findings import from_saved
+
+    study = load_study(_study_with_claims(tmp_path, [CLAIM]))
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    results = _results(study, ACC, runs)
+    first = results[0]
+    with SummaryWriter(str(first.spec.run_dir)) as w:
+        for step, value in ((49, 0.25), (99, 0.5), (149, 0.625)):
+            w.add_scalar("val/completion_acc", value, step)
+            w.add_scalar("train/other", 1.0, step)  # not a study metric: not saved
+    payload = results_payload(study, results, "", None, None)
+    assert payload["runs"][0]["curves"] == {"val/completion_acc": [[49, 0.25], [99, 0.5], [149, 0.625]]}
+    assert payload["runs"][1]["curves"] == {}  # no folder, no events: no curve, not an error
+    write_results(data / "sweep_tiny.json", payload)
+    shutil.rmtree(runs)  # the run folders are gone
+    saved = from_saved(study, data / "sweep_tiny.json", runs)
+    again = results_payload(study, saved.results, "", None, None)
+    assert again["runs"][0]["curves"] == payload["runs"][0]["curves"]

@@ -6,8 +6,9 @@ the learning curves of the 150-step arms; prints the markdown table of docs/resu
 Minutes are training minutes: an arm's optimizer steps times its measured seconds per step
 (docs/results/data/ablation_step_times.json, `python -m benchmarks.bench_ablation_steps --write`: one thread, the arms
 taking turns, nothing else running), so the runs' evaluation time and the sweep's two parallel workers do not enter.
-Final values come from the sweep's runs (`--runs`) or else the committed docs/results/data/<study>.json; the curves
-(evaluations at steps 50, 100, 150) need the runs' TensorBoard events.
+Final values and the curves (evaluations at steps 50, 100, 150) come from the sweep's runs (`--runs`: their DONE.json
+and TensorBoard events) or else the committed docs/results/data/<study>.json (`sweep findings` saves both there; the
+MoE and indexer studies were saved before it kept curves, so they are drawn as points only).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ PANELS = (("val/dev_pass", "dev pass (points, 96 tasks)", 100.0), ("val/bpb", "v
 
 
 def final_values(study_name: str, runs_root: Path) -> list[dict]:
-    """[{variant, seed, final}] of every finished run of the study: the sweep's folder, else the committed data."""
+    """[{variant, seed, final, dir | curves}] of every finished run of the study: the sweep's folder, else the
+    committed data."""
     folder = runs_root / study_name
     found = []
     for done in sorted(folder.glob("*/seed*/DONE.json")):
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                 ax.scatter([minutes] * len(ys), ys, color=color, marker=marker, alpha=0.6, s=18,
                            label=f"{variant.name} ({steps} steps)")
                 if steps == 150:  # the learning curve at equal steps: mean over seeds at each evaluation
-                    curve = _mean_curve([r.get("dir") for r in mine], tag, s_per_step, scale)
+                    curve = _mean_curve(mine, tag, s_per_step, scale)
                     if curve:
                         ax.plot(*zip(*curve), color=color, lw=1.2, alpha=0.8)
                 ax.set_xlabel("training minutes (steps x measured s/step)")
@@ -93,13 +95,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nwrote {args.out}")
 
 
-def _mean_curve(dirs: list, tag: str, s_per_step: float, scale: float) -> list[tuple[float, float]]:
-    """Mean over seeds of `tag` at each evaluated step, at (step x s/step) minutes; empty without events."""
+def _mean_curve(runs: list[dict], tag: str, s_per_step: float, scale: float) -> list[tuple[float, float]]:
+    """Mean over seeds of `tag` at each evaluated step, at (step x s/step) minutes; empty where a run has no curve
+    (neither events nor a saved curve)."""
     by_step: dict[int, list[float]] = {}
-    for d in dirs:
-        if d is None:
+    for run in runs:
+        points = read_scalars(Path(run["dir"])).get(tag, []) if run.get("dir") else run.get("curves", {}).get(tag, [])
+        if not points:
             return []
-        for step, value in read_scalars(Path(d)).get(tag, []):
+        for step, value in points:
             by_step.setdefault(step + 1, []).append(scale * value)
     return [(step * s_per_step / 60, statistics.fmean(v)) for step, v in sorted(by_step.items())]
 

@@ -27,6 +27,7 @@ from typing import Any
 from glm_lightning.stats import format_p, holm, tost_sign_flip
 from glm_lightning.sweep.analysis import Comparison, MetricAnalysis, analyse
 from glm_lightning.sweep.claims import Claim, Verdict, judge
+from glm_lightning.sweep.events import read_scalars
 from glm_lightning.sweep.report import commit_in_repository, runs_commit
 from glm_lightning.sweep.runner import RunResult, RunSpec, finished_result, plan_runs, read_done
 from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError, load_study
@@ -43,16 +44,26 @@ WORKERS = 2
 # --- saved results ---------------------------------------------------------------------------------------------------
 def results_payload(study: Study, results: Sequence[RunResult], command: str, elapsed_s: float | None,
                     workers: int | None, git: str = "") -> dict[str, Any]:
-    """What a sweep saves next to its report: per finished run its fingerprint, the final value of every study
-    metric and its wall time, plus how the invocation ran. Small enough to commit."""
+    """What a sweep saves next to its report: per finished run its fingerprint, the final value and the evaluation
+    curve of every study metric and its wall time, plus how the invocation ran. Small enough to commit, and enough
+    to redraw the curves once the (git-ignored) run folders are gone."""
     tags = [m.tag for m in study.metrics]
     runs = [{"variant": r.spec.variant, "seed": r.spec.seed, "fingerprint": r.spec.fingerprint, "git": r.git,
              "identity": r.spec.identity, "parts": r.spec.parts,
-             "final": {t: r.final[t] for t in tags if t in r.final}, "wall_s": round(r.wall_s, 2)}
+             "final": {t: r.final[t] for t in tags if t in r.final}, "wall_s": round(r.wall_s, 2),
+             "curves": run_curves(r, tags)}
             for r in results if r.ok]
     return {"study": study.name, "written": time.strftime("%Y-%m-%d %H:%M"), "git": git, "command": command,
             "elapsed_s": None if elapsed_s is None else round(elapsed_s, 1), "workers": workers,
             "ran_now": sum(r.status == "done" for r in results), "runs": runs}
+
+
+def run_curves(result: RunResult, tags: Sequence[str]) -> dict[str, list[list[float]]]:
+    """`{tag: [[step, value], ...]}` of the run's evaluations: the ones it carries, else its folder's events."""
+    curves = result.curves
+    if not curves and result.spec.run_dir.is_dir():
+        curves = read_scalars(result.spec.run_dir)
+    return {t: [[int(step), float(v)] for step, v in curves[t]] for t in tags if curves.get(t)}
 
 
 def write_results(path: Path, payload: dict[str, Any]) -> Path:
@@ -116,8 +127,9 @@ def from_saved(study: Study, path: Path, runs_root: Path) -> StudyResults:
             out.stale += 1
             continue
         spec = replace(spec, fingerprint=str(run.get("fingerprint")), parts=dict(run.get("parts") or {}))
+        curves = {t: [(int(step), float(v)) for step, v in points] for t, points in (run.get("curves") or {}).items()}
         out.results.append(RunResult(spec, "skipped", dict(run.get("final", {})), {}, float(run.get("wall_s", 0)),
-                                     git=str(run.get("git") or "")))
+                                     git=str(run.get("git") or ""), curves=curves))
     out.meta = {k: v for k, v in data.items() if k != "runs"}
     return out
 

@@ -74,6 +74,8 @@ class RunResult:
     error: str = ""
     git: str = ""
     """The commit checked out when the run finished (its DONE.json); empty for runs recorded before runs kept it."""
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """`{tag: [(step, value), ...]}` of the study's metrics when known without the run's folder (a saved results file)."""
 
     @property
     def ok(self) -> bool:
