@@ -36,7 +36,7 @@ from glm_lightning.model import GLMConfig, GLMModel
 from glm_lightning.optim import AdamW
 
 REPO = Path(__file__).resolve().parents[1]
-STUDIES = ("mhc", "mixer", "moe", "indexer")
+STUDIES = ("mhc", "mixer", "moe", "indexer", "moe_25m")
 RESULTS = REPO / "docs" / "results" / "data" / "ablation_step_times.json"
 EQUAL_TIME_SUFFIX = "_equal_time"
 
@@ -49,9 +49,17 @@ def study_arms(study: str) -> dict[str, dict[str, Any]]:
             if not name.endswith(EQUAL_TIME_SUFFIX)}
 
 
-def arm_key(overrides: dict[str, Any]) -> str:
-    """One name per distinct model: the demo preset's config with the overrides applied, as sorted JSON."""
-    return json.dumps(GLMConfig.preset("demo", **overrides).to_dict(), sort_keys=True)
+def study_preset(study: str) -> str:
+    """The model preset of an ablation study: its base config's `model.init_args.preset` (demo, or flash-25m for the
+    confirmation at 25M)."""
+    raw = yaml.safe_load((REPO / "configs" / "experiments" / f"ablation_{study}.yaml").read_text())
+    base = yaml.safe_load((REPO / "configs" / "experiments" / raw["base"]).read_text())
+    return str(base["model"]["init_args"].get("preset", "demo"))
+
+
+def arm_key(overrides: dict[str, Any], preset: str = "demo") -> str:
+    """One name per distinct model: the preset's config with the overrides applied, as sorted JSON."""
+    return json.dumps(GLMConfig.preset(preset, **overrides).to_dict(), sort_keys=True)
 
 
 def demo_batches(n: int) -> list[dict[str, torch.Tensor]]:
@@ -68,9 +76,9 @@ def demo_batches(n: int) -> list[dict[str, torch.Tensor]]:
 class Arm:
     """A model, its optimizer and a step that does what a pre-training step does."""
 
-    def __init__(self, overrides: dict[str, Any], lr: float = 3e-3) -> None:
+    def __init__(self, overrides: dict[str, Any], lr: float = 3e-3, preset: str = "demo") -> None:
         torch.manual_seed(0)
-        self.model = GLMModel(GLMConfig.preset("demo", **overrides))
+        self.model = GLMModel(GLMConfig.preset(preset, **overrides))
         self.opt = AdamW([p for p in self.model.parameters() if p.requires_grad], lr=lr)
         self.n_params = sum(p.numel() for p in self.model.parameters())
 
@@ -84,10 +92,12 @@ class Arm:
         self.model.update_balance_bias()
 
 
-def measure(arms: dict[str, dict[str, Any]], rounds: int, steps: int) -> dict[str, dict[str, float]]:
-    """Median seconds per step of each arm over `rounds` alternated rounds of `steps` steps (after a warm-up)."""
+def measure(arms: dict[str, dict[str, Any]], rounds: int, steps: int,
+            presets: dict[str, str] | None = None) -> dict[str, dict[str, float]]:
+    """Median seconds per step of each arm over `rounds` alternated rounds of `steps` steps (after a warm-up); an arm
+    builds `presets[name]` (default demo) with its overrides. Every preset trains on the same 16 x 192 batches."""
     batches = demo_batches(steps)
-    built = {name: Arm(ov) for name, ov in arms.items()}
+    built = {name: Arm(ov, preset=(presets or {}).get(name, "demo")) for name, ov in arms.items()}
     per_round: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(rounds + 1):
         order = list(built) if r % 2 == 0 else list(reversed(built))  # alternate who goes first
@@ -111,13 +121,16 @@ def run(studies: Sequence[str] = STUDIES, rounds: int = 7, steps: int = 4) -> di
     arms: dict[str, dict[str, Any]] = {}
     names: dict[str, str] = {}  # arm key -> the first "study/variant" that builds it
     members: dict[str, list[str]] = {}
+    presets: dict[str, str] = {}
     for study in studies:
+        preset = study_preset(study)
         for variant, ov in study_arms(study).items():
-            key = arm_key(ov)
+            key = arm_key(ov, preset)
             names.setdefault(key, f"{study}/{variant}")
             arms.setdefault(names[key], ov)
+            presets.setdefault(names[key], preset)
             members.setdefault(names[key], []).append(f"{study}/{variant}")
-    times = measure(arms, rounds, steps)
+    times = measure(arms, rounds, steps, presets)
     from glm_lightning.sweep.report import git_revision
 
     sitting = {"git": git_revision(), "measured_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}

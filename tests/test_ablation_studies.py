@@ -10,18 +10,22 @@ from glm_lightning.model import GLMConfig, GLMModel
 from glm_lightning.sweep import load_study, run_sweep
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "configs" / "experiments"
-STUDIES = {"ablation_mhc": "streams4", "ablation_mixer": "LLLS", "ablation_moe": "moe", "ablation_indexer": "top_k"}
+STUDIES = {"ablation_mhc": "streams4", "ablation_mixer": "LLLS", "ablation_moe": "moe", "ablation_indexer": "top_k",
+           "ablation_moe_25m": "moe"}
+MIN_SEEDS = {"ablation_moe_25m": 3}  # the flash-25m confirmation; every demo-scale study has at least 10 paired seeds
 
 
 @pytest.mark.parametrize("name", sorted(STUDIES))
 def test_ablation_study_parses_builds_every_arm_and_asks_its_own_questions(name, tmp_path, capsys):
+    from benchmarks.bench_ablation_steps import study_preset
+
     study = load_study(EXPERIMENTS / f"{name}.yaml")
-    assert study.control == STUDIES[name] and len(study.seeds) >= 10
+    assert study.control == STUDIES[name] and len(study.seeds) >= MIN_SEEDS.get(name, 10)
     assert study.claims and all(c.own and c.margin for c in study.claims)
     assert {c.variant for c in study.claims} == {v.name for v in study.variants} - {study.control}
     for variant in study.variants:
         overrides = variant.overrides["model.init_args.model_overrides"]
-        GLMModel(GLMConfig.preset("demo", **overrides))
+        GLMModel(GLMConfig.preset(study_preset(name.removeprefix("ablation_")), **overrides))
     run_sweep(["--config", str(EXPERIMENTS / f"{name}.yaml"), "--out", str(tmp_path), "--dry-run", "--seeds", "1"])
     out = capsys.readouterr().out
     assert out.count("[todo]") == len(study.variants)
@@ -29,7 +33,11 @@ def test_ablation_study_parses_builds_every_arm_and_asks_its_own_questions(name,
 
 
 def _steps(study, variant) -> int:
-    return int(variant.overrides.get("trainer.max_steps", study.overrides.get("trainer.max_steps", 150)))
+    """The variant's optimizer steps: its own override, else the study's, else its base config's max_steps."""
+    import yaml
+
+    base = yaml.safe_load(study.base.read_text())["trainer"]["max_steps"]
+    return int(variant.overrides.get("trainer.max_steps", study.overrides.get("trainer.max_steps", base)))
 
 
 @pytest.mark.parametrize("name", sorted(STUDIES))
@@ -56,7 +64,7 @@ def test_equal_time_arms_take_the_steps_the_measured_step_times_give(name):
                                     times[f"{short}/{v.name}"]["seconds_per_step"], _steps(study, control))
         assert _steps(study, twin) == expected, (twin.name, expected)
         assert twin.overrides["trainer.val_check_interval"] == expected
-    assert _steps(study, control) == 150
+    assert _steps(study, control) == (120 if name == "ablation_moe_25m" else 150)
 
 
 def test_the_ablation_base_is_the_demo_pretraining_with_a_finer_evaluation():
@@ -94,3 +102,26 @@ def test_timing_some_studies_again_replaces_only_their_arms(tmp_path):
     assert out["by_variant"] == {"moe/moe": {"seconds_per_step": 0.8}, "mixer/LLLS": {"seconds_per_step": 0.9},
                                  "mixer/all_KDA": {"seconds_per_step": 1.0}}  # mixer/all_DSA (old sitting) is gone
     assert merged(new, tmp_path / "none.json") == new
+
+
+def test_the_25m_confirmation_is_the_flash_pretraining_stopped_early_with_the_studies_evaluation():
+    """base_ablation_25m.yaml is configs/pretrain.yaml (the flash-25m pre-training) stopped at step 120, with the
+    evaluation of the demo-scale studies (96 dev tasks, the never-trained families), and nothing else changed."""
+    import yaml
+
+    from benchmarks.bench_ablation_steps import study_preset
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    shipped = flat(yaml.safe_load((EXPERIMENTS.parent / "pretrain.yaml").read_text()))
+    base = flat(yaml.safe_load((EXPERIMENTS / "base_ablation_25m.yaml").read_text()))
+    changed = {k for k in shipped.keys() | base.keys() if shipped.get(k) != base.get(k)}
+    assert changed == {"trainer.max_steps", "trainer.callbacks", "trainer.default_root_dir",
+                       "trainer.enable_progress_bar", "trainer.logger.init_args.name", "data.init_args.dev_per_family",
+                       "data.init_args.heldout_per_family"}
+    assert base["trainer.max_steps"] == 120 and base["trainer.max_steps"] % base["trainer.val_check_interval"] == 0
+    assert base["data.init_args.dev_per_family"] == 12 and study_preset("moe_25m") == "flash-25m"

@@ -18,6 +18,7 @@ import statistics
 from pathlib import Path
 
 import matplotlib
+import yaml
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -47,7 +48,8 @@ def final_values(study_name: str, runs_root: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
-    p.add_argument("studies", nargs="*", default=["ablation_mhc", "ablation_mixer", "ablation_moe", "ablation_indexer"])
+    p.add_argument("studies", nargs="*", default=["ablation_mhc", "ablation_mixer", "ablation_moe", "ablation_indexer",
+                                                      "ablation_moe_25m"])
     p.add_argument("--runs", default="runs/sweeps")
     args = p.parse_args(argv)
     times = json.loads(RESULTS.read_text())["by_variant"]
@@ -62,12 +64,13 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for col, (name, study, runs) in enumerate(studies):
         short = name.removeprefix("ablation_")
+        base_steps = int(yaml.safe_load(study.base.read_text())["trainer"]["max_steps"])  # 150 at demo, 120 at 25M
         for i, variant in enumerate(study.variants):
             mine = [r for r in runs if r["variant"] == variant.name]
             if not mine:
                 continue
             base = variant.name.removesuffix(EQUAL_TIME_SUFFIX)
-            steps = int(variant.overrides.get("trainer.max_steps", study.overrides.get("trainer.max_steps", 150)))
+            steps = int(variant.overrides.get("trainer.max_steps", study.overrides.get("trainer.max_steps", base_steps)))
             s_per_step = times[f"{short}/{base}"]["seconds_per_step"]
             minutes = steps * s_per_step / 60
             color = f"C{[v.name.removesuffix(EQUAL_TIME_SUFFIX) for v in study.variants].index(base)}"
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
                 ys = [scale * r["final"][tag] for r in mine if tag in r["final"]]
                 ax.scatter([minutes] * len(ys), ys, color=color, marker=marker, alpha=0.6, s=18,
                            label=f"{variant.name} ({steps} steps)")
-                if steps == 150:  # the learning curve at equal steps: mean over seeds at each evaluation
+                if steps == base_steps:  # the learning curve at equal steps: mean over seeds at each evaluation
                     curve = _mean_curve(mine, tag, s_per_step, scale)
                     if curve:
                         ax.plot(*zip(*curve), color=color, lw=1.2, alpha=0.8)
