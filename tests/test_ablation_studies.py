@@ -11,8 +11,8 @@ from glm_lightning.sweep import load_study, run_sweep
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "configs" / "experiments"
 STUDIES = {"ablation_mhc": "streams4", "ablation_mixer": "LLLS", "ablation_moe": "moe", "ablation_indexer": "top_k",
-           "ablation_moe_25m": "moe"}
-MIN_SEEDS = {"ablation_moe_25m": 3}  # the flash-25m confirmation; every demo-scale study has at least 10 paired seeds
+           "ablation_moe_25m": "moe", "ablation_mixer_25m": "LLLS"}
+MIN_SEEDS = {"ablation_moe_25m": 3, "ablation_mixer_25m": 3}  # the flash-25m confirmation; every demo-scale study has at least 10 paired seeds
 
 
 @pytest.mark.parametrize("name", sorted(STUDIES))
@@ -64,7 +64,7 @@ def test_equal_time_arms_take_the_steps_the_measured_step_times_give(name):
                                     times[f"{short}/{v.name}"]["seconds_per_step"], _steps(study, control))
         assert _steps(study, twin) == expected, (twin.name, expected)
         assert twin.overrides["trainer.val_check_interval"] == expected
-    assert _steps(study, control) == (120 if name == "ablation_moe_25m" else 150)
+    assert _steps(study, control) == (120 if name.endswith("_25m") else 150)
 
 
 def test_the_ablation_base_is_the_demo_pretraining_with_a_finer_evaluation():
