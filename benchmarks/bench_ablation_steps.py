@@ -112,6 +112,13 @@ def measure(arms: dict[str, dict[str, Any]], rounds: int, steps: int,
                    "params": built[name].n_params} for name, v in per_round.items()}
 
 
+def variant_steps(study: Any, variant: Any) -> int:
+    """A loaded study variant's optimizer steps: its own `trainer.max_steps`, else the study's, else its base config's
+    (150 at the demo scale, 120 at 25M)."""
+    base = yaml.safe_load(study.base.read_text())["trainer"]["max_steps"]
+    return int(variant.overrides.get("trainer.max_steps", study.overrides.get("trainer.max_steps", base)))
+
+
 def equal_time_steps(control_s: float, variant_s: float, control_steps: int) -> int:
     """Optimizer steps the variant takes in the control's wall-clock time for `control_steps` steps."""
     return max(1, round(control_steps * control_s / variant_s))
@@ -135,10 +142,9 @@ def run(studies: Sequence[str] = STUDIES, rounds: int = 7, steps: int = 4) -> di
 
     sitting = {"git": git_revision(), "measured_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
     by_variant = {m: {**times[arm], "timed_as": arm, **sitting} for arm, ms in members.items() for m in ms}
-
-    return {"by_variant": by_variant, "git": git_revision(), "rounds": rounds, "steps_per_round": steps, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "torch_cpu": torch.backends.cpu.get_cpu_capability(),
-            "load_before": os.getloadavg()[0], "measured_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    return {"by_variant": by_variant, **sitting, "rounds": rounds, "steps_per_round": steps,
+            "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "torch_cpu": torch.backends.cpu.get_cpu_capability(), "load_before": os.getloadavg()[0]}
 
 
 def merged(res: dict[str, Any], path: Path) -> dict[str, Any]:

@@ -12,7 +12,16 @@ from glm_lightning.sweep import load_study, run_sweep
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "configs" / "experiments"
 STUDIES = {"ablation_mhc": "streams4", "ablation_mixer": "LLLS", "ablation_moe": "moe", "ablation_indexer": "top_k",
            "ablation_moe_25m": "moe", "ablation_mixer_25m": "LLLS"}
-MIN_SEEDS = {"ablation_moe_25m": 3, "ablation_mixer_25m": 3}  # the flash-25m confirmation; every demo-scale study has at least 10 paired seeds
+MIN_SEEDS = {"ablation_moe_25m": 3, "ablation_mixer_25m": 3}
+"""The flash-25m confirmations; every demo-scale study has at least 10 paired seeds."""
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """A nested config as {"a.b.c": value}."""
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(STUDIES))
@@ -32,14 +41,6 @@ def test_ablation_study_parses_builds_every_arm_and_asks_its_own_questions(name,
     assert not (tmp_path / name).exists()
 
 
-def _steps(study, variant) -> int:
-    """The variant's optimizer steps: its own override, else the study's, else its base config's max_steps."""
-    import yaml
-
-    base = yaml.safe_load(study.base.read_text())["trainer"]["max_steps"]
-    return int(variant.overrides.get("trainer.max_steps", study.overrides.get("trainer.max_steps", base)))
-
-
 @pytest.mark.parametrize("name", sorted(STUDIES))
 def test_equal_time_arms_take_the_steps_the_measured_step_times_give(name):
     """Issue 32: each variant's `<variant>_equal_time` twin builds the same model and trains for the steps that fit in
@@ -47,7 +48,7 @@ def test_equal_time_arms_take_the_steps_the_measured_step_times_give(name):
     evaluating once at its last step; its claim asks the same question at equal time."""
     import json
 
-    from benchmarks.bench_ablation_steps import EQUAL_TIME_SUFFIX, RESULTS, equal_time_steps
+    from benchmarks.bench_ablation_steps import EQUAL_TIME_SUFFIX, RESULTS, equal_time_steps, variant_steps
 
     study = load_study(EXPERIMENTS / f"{name}.yaml")
     times = json.loads(RESULTS.read_text())["by_variant"]
@@ -61,24 +62,18 @@ def test_equal_time_arms_take_the_steps_the_measured_step_times_give(name):
         key = "model.init_args.model_overrides"
         assert twin.overrides[key] == v.overrides[key]
         expected = equal_time_steps(times[f"{short}/{study.control}"]["seconds_per_step"],
-                                    times[f"{short}/{v.name}"]["seconds_per_step"], _steps(study, control))
-        assert _steps(study, twin) == expected, (twin.name, expected)
+                                    times[f"{short}/{v.name}"]["seconds_per_step"], variant_steps(study, control))
+        assert variant_steps(study, twin) == expected, (twin.name, expected)
         assert twin.overrides["trainer.val_check_interval"] == expected
-    assert _steps(study, control) == (120 if name.endswith("_25m") else 150)
+    assert variant_steps(study, control) == (120 if name.endswith("_25m") else 150)
 
 
 def test_the_ablation_base_is_the_demo_pretraining_with_a_finer_evaluation():
     """base_ablation_demo.yaml differs from the demo pre-training's study base only in what it evaluates and when."""
     import yaml
 
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    demo = flat(yaml.safe_load((EXPERIMENTS / "base_pretrain_demo.yaml").read_text()))
-    ablation = flat(yaml.safe_load((EXPERIMENTS / "base_ablation_demo.yaml").read_text()))
+    demo = _flat(yaml.safe_load((EXPERIMENTS / "base_pretrain_demo.yaml").read_text()))
+    ablation = _flat(yaml.safe_load((EXPERIMENTS / "base_ablation_demo.yaml").read_text()))
     changed = {k for k in demo.keys() | ablation.keys() if demo.get(k) != ablation.get(k)}
     assert changed == {"trainer.val_check_interval", "trainer.logger.init_args.name", "data.init_args.dev_per_family",
                        "data.init_args.heldout_per_family"}
@@ -111,14 +106,8 @@ def test_the_25m_confirmation_is_the_flash_pretraining_stopped_early_with_the_st
 
     from benchmarks.bench_ablation_steps import study_preset
 
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    shipped = flat(yaml.safe_load((EXPERIMENTS.parent / "pretrain.yaml").read_text()))
-    base = flat(yaml.safe_load((EXPERIMENTS / "base_ablation_25m.yaml").read_text()))
+    shipped = _flat(yaml.safe_load((EXPERIMENTS.parent / "pretrain.yaml").read_text()))
+    base = _flat(yaml.safe_load((EXPERIMENTS / "base_ablation_25m.yaml").read_text()))
     changed = {k for k in shipped.keys() | base.keys() if shipped.get(k) != base.get(k)}
     assert changed == {"trainer.max_steps", "trainer.callbacks", "trainer.default_root_dir",
                        "trainer.enable_progress_bar", "trainer.logger.init_args.name", "data.init_args.dev_per_family",

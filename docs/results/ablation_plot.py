@@ -6,7 +6,7 @@ the learning curves of the 150-step arms; prints the markdown table of docs/resu
 Minutes are training minutes: an arm's optimizer steps times its measured seconds per step
 (docs/results/data/ablation_step_times.json, `python -m benchmarks.bench_ablation_steps --write`: one thread, the arms
 taking turns, nothing else running), so the runs' evaluation time and the sweep's two parallel workers do not enter.
-Final values and the curves (evaluations at steps 50, 100, 150) come from the sweep's runs (`--runs`: their DONE.json
+Final values and the curves (the evaluations during training) come from the sweep's runs (`--runs`: their DONE.json
 and TensorBoard events) or else the committed docs/results/data/<study>.json (`sweep findings` saves both there; the
 MoE and indexer studies were saved before it kept curves, so they are drawn as points only).
 """
@@ -18,12 +18,11 @@ import statistics
 from pathlib import Path
 
 import matplotlib
-import yaml
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.bench_ablation_steps import EQUAL_TIME_SUFFIX, RESULTS  # noqa: E402
+from benchmarks.bench_ablation_steps import EQUAL_TIME_SUFFIX, RESULTS, variant_steps  # noqa: E402
 from glm_lightning.sweep.events import read_scalars  # noqa: E402
 from glm_lightning.sweep.study import REPO_ROOT, load_study  # noqa: E402
 
@@ -64,13 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for col, (name, study, runs) in enumerate(studies):
         short = name.removeprefix("ablation_")
-        base_steps = int(yaml.safe_load(study.base.read_text())["trainer"]["max_steps"])  # 150 at demo, 120 at 25M
+        control_steps = variant_steps(study, study.variant(study.control))
         for i, variant in enumerate(study.variants):
             mine = [r for r in runs if r["variant"] == variant.name]
             if not mine:
                 continue
             base = variant.name.removesuffix(EQUAL_TIME_SUFFIX)
-            steps = int(variant.overrides.get("trainer.max_steps", study.overrides.get("trainer.max_steps", base_steps)))
+            steps = variant_steps(study, variant)
             s_per_step = times[f"{short}/{base}"]["seconds_per_step"]
             minutes = steps * s_per_step / 60
             color = f"C{[v.name.removesuffix(EQUAL_TIME_SUFFIX) for v in study.variants].index(base)}"
@@ -80,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                 ys = [scale * r["final"][tag] for r in mine if tag in r["final"]]
                 ax.scatter([minutes] * len(ys), ys, color=color, marker=marker, alpha=0.6, s=18,
                            label=f"{variant.name} ({steps} steps)")
-                if steps == base_steps:  # the learning curve at equal steps: mean over seeds at each evaluation
+                if steps == control_steps:  # the learning curve at equal steps: mean over seeds at each evaluation
                     curve = _mean_curve(mine, tag, s_per_step, scale)
                     if curve:
                         ax.plot(*zip(*curve), color=color, lw=1.2, alpha=0.8)

@@ -238,6 +238,10 @@ def write_outputs(outcome: SweepOutcome, reproduce: str, elapsed_s: float | None
     if any(r.ok for r in results):
         tags = [m.tag for m in study.metrics]
         curves = load_curves(study, results, tags + [TRAIN_CURVE_TAG])
+        for r in results:  # the saved results keep the curves: read the events once
+            if r.ok:
+                r.curves = {t: per_seed[r.spec.seed] for t, per_seed in curves[r.spec.variant].items()
+                            if r.spec.seed in per_seed}
         if any(curves[v.name][TRAIN_CURVE_TAG] for v in study.variants) and TRAIN_CURVE_TAG not in tags:
             tags.append(TRAIN_CURVE_TAG)
         charts.append(plot_curves(study, curves, tags, out_dir / f"{study.name}-curves.png"))
