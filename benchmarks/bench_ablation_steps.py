@@ -36,7 +36,7 @@ from glm_lightning.model import GLMConfig, GLMModel
 from glm_lightning.optim import AdamW
 
 REPO = Path(__file__).resolve().parents[1]
-STUDIES = ("mhc", "mixer", "moe", "indexer", "moe_25m", "mixer_25m")
+STUDIES = ("mhc", "mhc_2streams", "mixer", "moe", "indexer", "moe_25m", "mixer_25m")
 RESULTS = REPO / "docs" / "results" / "data" / "ablation_step_times.json"
 EQUAL_TIME_SUFFIX = "_equal_time"
 

@@ -10,7 +10,7 @@ from glm_lightning.model import GLMConfig, GLMModel
 from glm_lightning.sweep import load_study, run_sweep
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "configs" / "experiments"
-STUDIES = {"ablation_mhc": "streams4", "ablation_mixer": "LLLS", "ablation_moe": "moe", "ablation_indexer": "top_k",
+STUDIES = {"ablation_mhc": "streams4", "ablation_mhc_2streams": "streams4", "ablation_mixer": "LLLS", "ablation_moe": "moe", "ablation_indexer": "top_k",
            "ablation_moe_25m": "moe", "ablation_mixer_25m": "LLLS"}
 MIN_SEEDS = {"ablation_moe_25m": 3, "ablation_mixer_25m": 3}
 """The flash-25m confirmations; every demo-scale study has at least 10 paired seeds."""

@@ -47,8 +47,8 @@ def final_values(study_name: str, runs_root: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
-    p.add_argument("studies", nargs="*", default=["ablation_mhc", "ablation_mixer", "ablation_moe", "ablation_indexer",
-                                                      "ablation_moe_25m", "ablation_mixer_25m"])
+    p.add_argument("studies", nargs="*", default=["ablation_mhc", "ablation_mhc_2streams", "ablation_mixer", "ablation_moe",
+                                                      "ablation_indexer", "ablation_moe_25m", "ablation_mixer_25m"])
     p.add_argument("--runs", default="runs/sweeps")
     args = p.parse_args(argv)
     times = json.loads(RESULTS.read_text())["by_variant"]
