@@ -36,17 +36,19 @@ from glm_lightning.model import GLMConfig, GLMModel
 from glm_lightning.optim import AdamW
 
 REPO = Path(__file__).resolve().parents[1]
-STUDIES = ("mhc", "mhc_2streams", "mixer", "moe", "indexer", "moe_25m", "mixer_25m")
+STUDIES = ("mhc", "mhc_2streams", "mixer", "moe", "indexer", "moe_25m", "mixer_25m", "mixer_avx512")
 RESULTS = REPO / "docs" / "results" / "data" / "ablation_step_times.json"
 EQUAL_TIME_SUFFIX = "_equal_time"
 
 
 def study_arms(study: str) -> dict[str, dict[str, Any]]:
-    """Variant name -> its model overrides, for the equal-steps arms of one ablation study (equal-time arms build the
-    same model as their equal-steps twin)."""
+    """Arm name -> its model overrides, one per model a study builds: an `<arm>_equal_time` twin builds the same model
+    as `<arm>`, under that name (a study may ask only the equal-time question of an arm: ablation_mixer_avx512.yaml)."""
     raw = yaml.safe_load((REPO / "configs" / "experiments" / f"ablation_{study}.yaml").read_text())
-    return {name: dict(v.get("model.init_args.model_overrides") or {}) for name, v in raw["variants"].items()
-            if not name.endswith(EQUAL_TIME_SUFFIX)}
+    arms: dict[str, dict[str, Any]] = {}
+    for name, v in raw["variants"].items():
+        arms.setdefault(name.removesuffix(EQUAL_TIME_SUFFIX), dict(v.get("model.init_args.model_overrides") or {}))
+    return arms
 
 
 def study_preset(study: str) -> str:
@@ -140,7 +142,9 @@ def run(studies: Sequence[str] = STUDIES, rounds: int = 7, steps: int = 4) -> di
     times = measure(arms, rounds, steps, presets)
     from glm_lightning.sweep.report import git_revision
 
-    sitting = {"git": git_revision(), "measured_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    # each arm carries its sitting and its machine: equal-time steps hold only on the CPU that timed them
+    sitting = {"git": git_revision(), "measured_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+               "torch_cpu": torch.backends.cpu.get_cpu_capability()}
     by_variant = {m: {**times[arm], "timed_as": arm, **sitting} for arm, ms in members.items() for m in ms}
     return {"by_variant": by_variant, **sitting, "rounds": rounds, "steps_per_round": steps,
             "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
@@ -154,7 +158,9 @@ def merged(res: dict[str, Any], path: Path) -> dict[str, Any]:
         return res
     old = json.loads(path.read_text())
     timed = {k.split("/")[0] for k in res["by_variant"]}
-    kept = {k: v for k, v in old.get("by_variant", {}).items() if k.split("/")[0] not in timed}
+    # an arm kept from an older sitting keeps that sitting's machine (the top-level fields become the new sitting's)
+    machine = {k: old[k] for k in ("torch_cpu", "cpu", "threads") if k in old}
+    kept = {k: {**machine, **v} for k, v in old.get("by_variant", {}).items() if k.split("/")[0] not in timed}
     return {**old, **{k: v for k, v in res.items() if k != "by_variant"}, "by_variant": {**kept, **res["by_variant"]}}
 
 

@@ -11,7 +11,8 @@ from glm_lightning.sweep import load_study, run_sweep
 
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "configs" / "experiments"
 STUDIES = {"ablation_mhc": "streams4", "ablation_mhc_2streams": "streams4", "ablation_mixer": "LLLS", "ablation_moe": "moe", "ablation_indexer": "top_k",
-           "ablation_moe_25m": "moe", "ablation_mixer_25m": "LLLS"}
+           "ablation_moe_25m": "moe", "ablation_mixer_25m": "LLLS",
+           "ablation_mixer_avx512": "LLLS"}
 MIN_SEEDS = {"ablation_moe_25m": 3, "ablation_mixer_25m": 3}
 """The flash-25m confirmations; every demo-scale study has at least 10 paired seeds."""
 
@@ -56,13 +57,16 @@ def test_equal_time_arms_take_the_steps_the_measured_step_times_give(name):
     control = study.variant(study.control)
     twins = [v for v in study.variants if v.name.endswith(EQUAL_TIME_SUFFIX)]
     plain = [v for v in study.variants if v.name != study.control and not v.name.endswith(EQUAL_TIME_SUFFIX)]
-    assert sorted(t.name for t in twins) == sorted(v.name + EQUAL_TIME_SUFFIX for v in plain)
-    for v in plain:
-        twin = study.variant(v.name + EQUAL_TIME_SUFFIX)
+    assert {v.name + EQUAL_TIME_SUFFIX for v in plain} <= {t.name for t in twins}  # every arm asked at equal time too
+    assert twins
+    for twin in twins:
+        arm = twin.name.removesuffix(EQUAL_TIME_SUFFIX)
         key = "model.init_args.model_overrides"
-        assert twin.overrides[key] == v.overrides[key]
+        if any(v.name == arm for v in plain):
+            assert twin.overrides[key] == study.variant(arm).overrides[key]
+        assert times[f"{short}/{arm}"]["torch_cpu"] == times[f"{short}/{study.control}"]["torch_cpu"]  # one CPU
         expected = equal_time_steps(times[f"{short}/{study.control}"]["seconds_per_step"],
-                                    times[f"{short}/{v.name}"]["seconds_per_step"], variant_steps(study, control))
+                                    times[f"{short}/{arm}"]["seconds_per_step"], variant_steps(study, control))
         assert variant_steps(study, twin) == expected, (twin.name, expected)
         assert twin.overrides["trainer.val_check_interval"] == expected
     assert variant_steps(study, control) == (120 if name.endswith("_25m") else 150)
@@ -97,6 +101,24 @@ def test_timing_some_studies_again_replaces_only_their_arms(tmp_path):
     assert out["by_variant"] == {"moe/moe": {"seconds_per_step": 0.8}, "mixer/LLLS": {"seconds_per_step": 0.9},
                                  "mixer/all_KDA": {"seconds_per_step": 1.0}}  # mixer/all_DSA (old sitting) is gone
     assert merged(new, tmp_path / "none.json") == new
+
+
+def test_an_arm_kept_from_an_older_sitting_keeps_that_sittings_machine(tmp_path):
+    """Equal-time steps hold only on the CPU that timed them: after re-timing one study on another machine, the arms
+    kept from the old sitting must still say which CPU they were timed on (the top level now names the new one)."""
+    import json
+
+    from benchmarks.bench_ablation_steps import merged
+
+    saved = {"torch_cpu": "AVX2", "threads": 1, "by_variant": {"moe/moe": {"seconds_per_step": 0.8}}}
+    path = tmp_path / "times.json"
+    path.write_text(json.dumps(saved))
+    new = {"torch_cpu": "AVX512", "threads": 1,
+           "by_variant": {"mhc/streams4": {"seconds_per_step": 0.3, "torch_cpu": "AVX512"}}}
+    out = merged(new, path)
+    assert out["torch_cpu"] == "AVX512"
+    assert out["by_variant"]["moe/moe"]["torch_cpu"] == "AVX2"
+    assert out["by_variant"]["mhc/streams4"]["torch_cpu"] == "AVX512"
 
 
 def test_the_25m_confirmation_is_the_flash_pretraining_stopped_early_with_the_studies_evaluation():

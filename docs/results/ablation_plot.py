@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
     p.add_argument("studies", nargs="*", default=["ablation_mhc", "ablation_mhc_2streams", "ablation_mixer", "ablation_moe",
-                                                      "ablation_indexer", "ablation_moe_25m", "ablation_mixer_25m"])
+                                                      "ablation_indexer", "ablation_moe_25m", "ablation_mixer_25m",
+                                                      "ablation_mixer_avx512"])
     p.add_argument("--runs", default="runs/sweeps")
     args = p.parse_args(argv)
     times = json.loads(RESULTS.read_text())["by_variant"]

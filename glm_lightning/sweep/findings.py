@@ -36,7 +36,7 @@ RESULTS_FILE = "results.json"
 EXPERIMENTS = REPO_ROOT / "configs" / "experiments"
 STUDIES = ("ordering", "diversity", "curriculum", "rl_reward", "rl_invalid_penalty", "rl_temperature",
            "rl_group_size", "rl_screen_tutorial", "ablation_mhc", "ablation_mhc_2streams", "ablation_mixer",
-           "ablation_moe", "ablation_indexer", "ablation_moe_25m", "ablation_mixer_25m", "bf16_parity", "bf16_parity_rl")
+           "ablation_moe", "ablation_indexer", "ablation_moe_25m", "ablation_mixer_25m", "ablation_mixer_avx512", "bf16_parity", "bf16_parity_rl")
 """The studies of the table, in its order (each must have `claims:`)."""
 WORKERS = 2
 
