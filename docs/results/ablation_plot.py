@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
                         ax.plot(*zip(*curve), color=color, lw=1.2, alpha=0.8)
                 ax.set_xlabel("training minutes (steps x measured s/step)")
                 ax.set_ylabel(label)
-                ax.set_title(name, fontsize=10)
+                cpu = times[f"{short}/{study.control}"].get("torch_cpu")  # minutes are per CPU: name it
+                ax.set_title(f"{name} ({cpu} CPU)" if cpu else name, fontsize=10)
             means = [statistics.fmean(r["final"][t] for r in mine if t in r["final"]) if any(
                 t in r["final"] for r in mine) else float("nan") for t in ("val/dev_pass", "val/bpb",
                                                                              "val/heldout_pass")]
