@@ -14,7 +14,7 @@ from glm_lightning.sweep.analysis import analyse
 from glm_lightning.sweep.fingerprint import file_digest
 from glm_lightning.sweep.report import block_section
 from glm_lightning.sweep.runner import RunResult, plan_runs
-from glm_lightning.sweep.starts import choose_starts, pick
+from glm_lightning.sweep.starts import candidates, choose_starts, pick
 from glm_lightning.sweep.study import REPO_ROOT
 
 TINY = Path(__file__).parent / "conf" / "sweep_tiny.yaml"
@@ -106,6 +106,18 @@ def test_starts_pick_the_checkpoint_closest_to_the_target(tmp_path):
     assert saved["pt1"]["sha256"] == file_digest(tmp_path / "starts" / "pt1.ckpt")
     assert len(saved["pt0"]["candidates"]) == 4
     assert pick({Path("x"): 0.5, Path("y"): 0.0}, 0.25) == Path("x")
+
+
+def test_start_candidates_come_in_step_order_so_ties_go_to_the_earlier_step(tmp_path):
+    # the pre-training callback writes unpadded names (step4, step12, step100): string order would put step100 first
+    every = tmp_path / "run" / "checkpoints" / "every"
+    every.mkdir(parents=True)
+    for step in (100, 12, 4, 8):
+        (every / f"step{step}.ckpt").write_bytes(str(step).encode())
+    found = candidates(tmp_path / "run")
+    assert [p.name for p in found] == ["step4.ckpt", "step8.ckpt", "step12.ckpt", "step100.ckpt"]
+    passes = {p: {4: 0.0, 8: 0.0625, 12: 0.125, 100: 0.375}[int(p.stem[4:])] for p in found}
+    assert pick(passes, 0.25).name == "step12.ckpt"  # 0.125 and 0.375 tie at exactly 0.125: the earlier step
 
 
 def test_the_shipped_screen_study_is_the_tutorials_regime():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import time
@@ -49,9 +50,15 @@ def greedy_pass_by_family(model: Any, families: Sequence[str], per_family: int, 
     return {fam: (k, n) for fam, (k, n) in counts.items()}
 
 
+def _natural_key(path: Path) -> list[Any]:
+    """Sort key that orders digit runs by value, so step12 comes before step100 (plain string order puts it after)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
 def candidates(run_dir: Path) -> list[Path]:
-    """The checkpoints a pre-training run kept (`checkpoints/**/*.ckpt`, `last.ckpt` excluded: a duplicate)."""
-    found = sorted(p for p in (run_dir / "checkpoints").rglob("*.ckpt") if p.name != "last.ckpt")
+    """The checkpoints a pre-training run kept (`checkpoints/**/*.ckpt`, `last.ckpt` excluded: a duplicate), in step
+    order: `pick` breaks ties by this order, so a tie goes to the earlier step."""
+    found = sorted((p for p in (run_dir / "checkpoints").rglob("*.ckpt") if p.name != "last.ckpt"), key=_natural_key)
     if not found:
         raise StudyError(f"no checkpoint under {run_dir / 'checkpoints'}: run the pre-training first")
     return found
