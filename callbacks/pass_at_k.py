@@ -11,7 +11,9 @@ At the end of every (non-sanity) validation epoch the callback generates, for ea
 
 With `evaluate_at_start: true` the same evaluation also runs once before the first training step; its values are
 logged under the same tags at that step (the first point of the curve) and under `start/{tag}` (the "before" value
-of a before -> after comparison, which a later point cannot overwrite).
+of a before -> after comparison, which a later point cannot overwrite). With `start_cache: <dir>` that evaluation is
+read from a cache entry when one exists for exactly these starting weights, tasks, settings and code
+(`glm_lightning.eval_cache`): the arms of a sweep that share a start and a seed measure their "before" once.
 
 Tasks come from the datamodule's `eval_tasks(split, per_family, families)` (RLPromptDataModule) unless `families`
 and `per_family` are given here. Under DDP every rank evaluates its share of the tasks (r, r+W, ...); the
@@ -22,12 +24,15 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
+from lightning.pytorch.utilities import rank_zero_info
 
+from glm_lightning import eval_cache
 from glm_lightning.evaluation import (
     TaskOutcomes,
     VerifierSettings,
@@ -65,6 +70,7 @@ class PassAtKCallback(Callback):
         verifier_timeout_s: float = 2.0,
         evaluate_at_start: bool = False,
         precision: str = "32",
+        start_cache: str | None = None,
     ) -> None:
         """
         Args:
@@ -82,6 +88,7 @@ class PassAtKCallback(Callback):
             evaluate_at_start: also evaluate before training (logged as `start/{tag}` and as the curve's first point).
             precision: weights the evaluation samples from: `32` (the model's) or `bf16` (a bf16 copy of its
                 matrices; README, "Precision").
+            start_cache: a directory of cached start evaluations (None = always evaluate); see the module docstring.
         """
         super().__init__()
         ks = sorted({int(k) for k in ks})
@@ -101,6 +108,8 @@ class PassAtKCallback(Callback):
         self.greedy, self.per_family, self.seed = greedy, per_family, seed
         self.every_n_evals, self.prefix, self.evaluate_at_start = every_n_evals, prefix, evaluate_at_start
         self.precision = check_precision(precision)
+        self.start_cache = start_cache
+        self.start_cached_at: str | None = None  # the entry the start evaluation was read from, if it was
         self.verifier_settings = VerifierSettings(workers=verifier_workers, timeout_s=verifier_timeout_s)
         self._evals = 0
         self._own: dict[str, Any] = {}
@@ -110,7 +119,7 @@ class PassAtKCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.evaluate_at_start:
             return
-        results = self.evaluate(trainer, pl_module)
+        results = self.evaluate_start(trainer, pl_module)
         logger = trainer.logger
         if logger is not None and not isinstance(logger, DummyLogger) and trainer.is_global_zero:
             logger.log_metrics({**results, **{f"start/{k}": v for k, v in results.items()}}, step=trainer.global_step)
@@ -124,6 +133,31 @@ class PassAtKCallback(Callback):
         results = self.evaluate(trainer, pl_module)
         for name, value in results.items():
             pl_module.log(name, value, prog_bar=name in (f"{self.prefix}/pass@1", f"{self.prefix}/greedy_pass"))
+
+    def evaluate_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+        """The evaluation before training: from `start_cache` when an entry for exactly these weights, tasks, settings
+        and code exists, else evaluated (and stored). Rank 0 decides and broadcasts, so all ranks agree."""
+        if not self.start_cache:
+            return self.evaluate(trainer, pl_module)
+        tasks = resolve_eval_tasks(trainer, self.split, self.per_family, self.families, self.seed)
+        settings = {"measurement": "PassAtKCallback start", "tasks": eval_cache.task_identities(tasks),
+                    "roles": family_roles(trainer), "n": self.n, "ks": self.ks, "greedy": self.greedy,
+                    "temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens,
+                    "seed": self.seed, "precision": self.precision, "prefix": self.prefix,
+                    "world_size": trainer.world_size, "verifier_timeout_s": self.verifier_settings.timeout_s}
+        key = eval_cache.cache_key(eval_cache.weights_digest(pl_module.model), settings)
+        cached = eval_cache.load(self.start_cache, key) if trainer.is_global_zero else None
+        cached = trainer.strategy.broadcast(cached, src=0)
+        path = Path(self.start_cache) / f"{key}.json"
+        if cached is not None:
+            self.start_cached_at = str(path)
+            self.last_results, self.last_outcomes = dict(cached), None
+            rank_zero_info(f"[pass@k] start evaluation reused from {path}")
+            return dict(cached)
+        results = self.evaluate(trainer, pl_module)
+        if trainer.is_global_zero:
+            eval_cache.store(self.start_cache, key, results, settings)
+        return results
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Run the evaluation now and return the (rank-synchronised) metric values."""

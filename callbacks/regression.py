@@ -231,7 +231,7 @@ class RegressionCallback(Callback):
         if not self.baseline_cache:
             return self.measure(trainer, pl_module)
         tasks = resolve_eval_tasks(trainer, self.split, self.per_family, self.families, self.seed)
-        settings = {"measurement": "RegressionCallback baseline", "tasks": [[t.family, t.task_id] for t in tasks],
+        settings = {"measurement": "RegressionCallback baseline", "tasks": eval_cache.task_identities(tasks),
                     "n_samples": self.n_samples, "temperature": self.temperature,
                     "max_new_tokens": self.max_new_tokens, "seed": self.seed,
                     "verifier_timeout_s": self.verifier_settings.timeout_s}

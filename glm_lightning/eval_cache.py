@@ -4,15 +4,18 @@ The seeds of an RL study start from the same checkpoint and evaluate the same ta
 their baseline measurement is the same computation every time (at the tutorial's size: 256 confirm tasks x 9
 completions, a quarter of a run). The cache key covers everything that decides the result: a digest of the weights
 as they are when measured (after loading, freezing and untying), every evaluation setting, and a digest of the
-package's source code, so a code change never reuses an old measurement. Entries are JSON files written atomically.
+package's source code, so a code change never reuses an old measurement, and torch's version and CPU capability, so
+a folder shared between machines never hands one CPU's rounding to another. Entries are JSON files written atomically.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -42,9 +45,22 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
+def task_identities(tasks: Sequence[Any]) -> list[dict[str, Any]]:
+    """Every field of every task, in order: a task's id (split/family/index) does not say which task it is, since
+    `make_tasks` draws names, argument names and descriptions from its seed (the data seed)."""
+    return [dataclasses.asdict(t) for t in tasks]
+
+
+def machine() -> dict[str, str]:
+    """What makes the same computation round differently: torch's version and the CPU kernels it dispatches to
+    (runs repeat exactly on one machine, not across CPUs)."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def cache_key(weights: str, settings: dict[str, Any]) -> str:
-    """The entry's name: weights digest + settings (JSON, sorted keys) + code digest."""
-    text = json.dumps({"weights": weights, "settings": settings, "code": code_digest()}, sort_keys=True)
+    """The entry's name: weights digest + settings (JSON, sorted keys) + code digest + machine."""
+    text = json.dumps({"weights": weights, "settings": settings, "code": code_digest(), "machine": machine()},
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

@@ -131,3 +131,40 @@ def test_evaluate_at_start_logs_the_before_values_and_counts(one_thread):
     assert step == 0 and logged["start/dev/pass@1"] == logged["dev/pass@1"]
     assert logged["dev/sampled_total"] == 6 and logged["start/dev/sampled_exact"] == sum(out.correct)
     assert logged["dev/pass@1"] == pytest.approx(sum(out.correct) / 6)
+
+
+def test_start_cache_evaluates_a_shared_start_once_and_only_for_the_same_tasks(one_thread, tmp_path):
+    """Arms of a sweep share a start and a seed: the second reads the first one's "before" from the cache and logs
+    the same values; other weights, or the same task ids drawn with another data seed (other tasks), evaluate again."""
+    torch.manual_seed(0)
+    model = GLMModel(GLMConfig.preset("tiny", max_seq_len=192))
+    module = SimpleNamespace(model=model, verifier=StubVerifier(), device=torch.device("cpu"))
+
+    def start(seed: int) -> tuple[PassAtKCallback, dict, int]:
+        dm = RLPromptDataModule(train_families=["increment"], monitor_families=["square"], prompts_per_family=1,
+                                eval_per_family=2, seed=seed)
+        calls = []
+        trainer = SimpleNamespace(datamodule=dm, world_size=1, global_rank=0, sanity_checking=False,
+                                  is_global_zero=True, global_step=0, strategy=SimpleNamespace(
+                                      broadcast=lambda obj, src=0: obj),
+                                  logger=SimpleNamespace(log_metrics=lambda m, step: calls.append(dict(m))))
+        cb = PassAtKCallback(n=2, ks=[1, 2], max_new_tokens=6, temperature=1.0, evaluate_at_start=True,
+                             start_cache=str(tmp_path / "cache"))
+        evaluated = []
+        real = cb.evaluate
+        cb.evaluate = lambda tr, pm: evaluated.append(1) or real(tr, pm)
+        cb.on_train_start(trainer, module)
+        (logged,) = calls
+        return cb, logged, len(evaluated)
+
+    first, logged1, n1 = start(seed=0)
+    second, logged2, n2 = start(seed=0)
+    assert (n1, n2) == (1, 0) and logged2 == logged1 and "start/val/greedy_pass" in logged2
+    assert first.start_cached_at is None and second.start_cached_at and second.last_results == first.last_results
+    _, _, n3 = start(seed=1)                        # same task ids (split/family/index), other tasks
+    assert n3 == 1
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1e-3  # other weights
+    _, _, n4 = start(seed=0)
+    assert n4 == 1
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 3

@@ -173,7 +173,7 @@ def test_compare_only_at_the_end_logs_before_and_after(tmp_path):
         RegressionCallback(every_n_evals=0, evaluate_at_end=False)
 
 
-def _cache_run(tmp_path, module, families=("increment", "square")):
+def _cache_run(tmp_path, module, families=("increment", "square"), datamodule=None):
     """on_train_start with a counted fake measurement and the baseline cache in tmp_path/cache."""
     cb = RegressionCallback(n_boot=100, families=list(families), split="confirm", per_family=2,
                             baseline_cache=str(tmp_path / "cache"), output_dir=str(tmp_path))
@@ -185,7 +185,7 @@ def _cache_run(tmp_path, module, families=("increment", "square")):
     cb.measure = measure
     strategy = SimpleNamespace(broadcast=lambda obj, src=0: obj)
     trainer = SimpleNamespace(global_step=0, logger=None, is_global_zero=True, default_root_dir=str(tmp_path),
-                              datamodule=None, strategy=strategy)
+                              datamodule=datamodule, strategy=strategy)
     cb.on_train_start(trainer, module)
     return cb, calls
 
@@ -207,7 +207,11 @@ def test_baseline_cache_measures_shared_starting_weights_once(tmp_path):
     assert calls3 == [1]
     _, calls4 = _cache_run(tmp_path, module, families=("increment", "even"))  # other tasks: measured again
     assert calls4 == [1]
-    assert len(list((tmp_path / "cache").glob("*.json"))) == 3
+    from glm_lightning.tasks.task import make_tasks  # the same task ids drawn with another data seed: other tasks
+    other_seed = SimpleNamespace(eval_tasks=lambda split, n, fams: make_tasks(split, n, fams, seed=1))
+    _, calls5 = _cache_run(tmp_path, module, datamodule=other_seed)
+    assert calls5 == [1]
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 4
 
 
 def test_a_corrupt_cache_entry_is_measured_again(tmp_path):
