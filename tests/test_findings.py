@@ -415,3 +415,20 @@ def test_the_saved_results_keep_each_runs_evaluation_curve(tmp_path):
     saved = from_saved(study, data / "sweep_tiny.json", runs)
     again = results_payload(study, saved.results, "", None, None)
     assert again["runs"][0]["curves"] == payload["runs"][0]["curves"]
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_committed_results_match_the_shipped_study_files(name, tmp_path):
+    """A study's committed runs count only while its study and base config files are the ones they ran with (their
+    identity): editing a shipped config without refreshing docs/results/data/<study>.json (`sweep findings` with the
+    runs present) would silently turn its findings rows into "not run" on the next render."""
+    from glm_lightning.sweep.findings import from_saved
+    from glm_lightning.sweep.study import REPO_ROOT
+
+    saved = REPO_ROOT / "docs" / "results" / "data" / f"{name}.json"
+    if not saved.exists():
+        pytest.skip(f"{name} has no committed results")
+    study = load_study(EXPERIMENTS / f"{name}.yaml")
+    out = from_saved(study, saved, tmp_path / "runs")
+    assert out.stale == 0, f"{out.stale} committed runs of {name} no longer match its shipped config files"
+    assert out.results, f"no committed run of {name} matches its shipped config files"
