@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -145,19 +144,13 @@ class PassAtKCallback(Callback):
                     "temperature": self.temperature, "top_p": self.top_p, "max_new_tokens": self.max_new_tokens,
                     "seed": self.seed, "precision": self.precision, "prefix": self.prefix,
                     "world_size": trainer.world_size, "verifier_timeout_s": self.verifier_settings.timeout_s}
-        key = eval_cache.cache_key(eval_cache.weights_digest(pl_module.model), settings)
-        cached = eval_cache.load(self.start_cache, key) if trainer.is_global_zero else None
-        cached = trainer.strategy.broadcast(cached, src=0)
-        path = Path(self.start_cache) / f"{key}.json"
-        if cached is not None:
-            self.start_cached_at = str(path)
-            self.last_results, self.last_outcomes = dict(cached), None
-            rank_zero_info(f"[pass@k] start evaluation reused from {path}")
-            return dict(cached)
-        results = self.evaluate(trainer, pl_module)
-        if trainer.is_global_zero:
-            eval_cache.store(self.start_cache, key, results, settings)
-        return results
+        results, entry = eval_cache.cached_or_computed(trainer, self.start_cache, pl_module.model, settings,
+                                                       lambda: self.evaluate(trainer, pl_module))
+        if entry is not None:
+            self.start_cached_at = str(entry)
+            self.last_results, self.last_outcomes = dict(results), None
+            rank_zero_info(f"[pass@k] start evaluation reused from {entry}")
+        return dict(results)
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Run the evaluation now and return the (rank-synchronised) metric values."""

@@ -235,17 +235,11 @@ class RegressionCallback(Callback):
                     "n_samples": self.n_samples, "temperature": self.temperature,
                     "max_new_tokens": self.max_new_tokens, "seed": self.seed,
                     "verifier_timeout_s": self.verifier_settings.timeout_s}
-        key = eval_cache.cache_key(eval_cache.weights_digest(pl_module.model), settings)
-        cached = eval_cache.load(self.baseline_cache, key) if trainer.is_global_zero else None
-        cached = trainer.strategy.broadcast(cached, src=0)
-        path = Path(self.baseline_cache) / f"{key}.json"
-        if cached is not None:
-            self.baseline_cached_at = str(path)
-            rank_zero_info(f"[regression] baseline measurement reused from {path}")
-            return cached
-        measurement = self.measure(trainer, pl_module)
-        if trainer.is_global_zero:
-            eval_cache.store(self.baseline_cache, key, measurement, settings)
+        measurement, entry = eval_cache.cached_or_computed(trainer, self.baseline_cache, pl_module.model, settings,
+                                                           lambda: self.measure(trainer, pl_module))
+        if entry is not None:
+            self.baseline_cached_at = str(entry)
+            rank_zero_info(f"[regression] baseline measurement reused from {entry}")
         return measurement
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -87,3 +87,19 @@ def store(directory: str | Path, key: str, payload: Any, settings: dict[str, Any
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def cached_or_computed(trainer: Any, directory: str | Path, model: torch.nn.Module, settings: dict[str, Any],
+                       compute: Callable[[], Any]) -> tuple[Any, Path | None]:
+    """The entry for `model`'s weights and `settings` if there is one, else `compute()` (stored by rank 0).
+    Rank 0 reads and broadcasts, so all ranks agree on hit or miss (a miss computes on every rank: the evaluations
+    sync across ranks). Returns (payload, the entry it was read from, or None when it was computed)."""
+    key = cache_key(weights_digest(model), settings)
+    cached = load(directory, key) if trainer.is_global_zero else None
+    cached = trainer.strategy.broadcast(cached, src=0)
+    if cached is not None:
+        return cached, Path(directory) / f"{key}.json"
+    payload = compute()
+    if trainer.is_global_zero:
+        store(directory, key, payload, settings)
+    return payload, None
