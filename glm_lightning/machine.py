@@ -1,0 +1,64 @@
+"""What machine a run ran on: the facts that, with the seed, fix its result (CPU kind, torch's CPU capability,
+thread count, library versions).
+
+A seed fixes a run only on one CPU kind at one thread count (kernels and summation order differ otherwise), so every
+run records :func:`machine_info` with its hyper-parameters and every study compares only runs whose
+:func:`cpu_key` agree. Imports torch lazily so that the command line can name the machine before the heavy imports.
+"""
+
+from __future__ import annotations
+
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+
+@lru_cache(maxsize=1)
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name ('AMD EPYC 9R14 96-Core Processor'), else the platform's processor string."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_capability() -> str:
+    """torch's CPU capability ('AVX512', 'AVX2', 'DEFAULT', ...): which kernels ATen dispatches to here."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def cpu_key() -> str:
+    """One string naming the CPU kind: runs with different keys are not expected to agree bit for bit."""
+    return f"{cpu_model()} [{cpu_capability()}]"
+
+
+def machine_info(threads: int | None = None) -> dict[str, object]:
+    """The run's machine: CPU model and capability, the intra-op thread count in force (or `threads`), versions."""
+    import torch
+
+    info: dict[str, object] = {
+        "cpu": cpu_model(),
+        "cpu_capability": cpu_capability(),
+        "threads": int(torch.get_num_threads() if threads is None else threads),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import lightning
+
+        info["lightning"] = lightning.__version__
+    except ImportError:  # pragma: no cover - lightning is a hard dependency; kept for library use without it
+        pass
+    return info
+
+
+def describe(info: dict[str, object] | None = None) -> str:
+    """One line for logs: 'AMD EPYC 9R14 [AVX512], 1 thread, torch 2.14.1'."""
+    info = machine_info() if info is None else info
+    n = info["threads"]
+    return f"{info['cpu']} [{info['cpu_capability']}], {n} thread{'s' if n != 1 else ''}, torch {info['torch']}"
