@@ -2,7 +2,7 @@
 
 from callbacks.freeze import FreezeCallback
 from callbacks.pass_at_k import PassAtKCallback
-from callbacks.progress import StepProgressBar
+from callbacks.progress import PlainProgressBar, StepProgressBar
 from callbacks.regression import RegressionCallback
 
-__all__ = ["FreezeCallback", "PassAtKCallback", "RegressionCallback", "StepProgressBar"]
+__all__ = ["FreezeCallback", "PassAtKCallback", "PlainProgressBar", "RegressionCallback", "StepProgressBar"]

@@ -23,6 +23,9 @@ commands:
   demo       the end-to-end job behind `make demo` (pre-training -> vision -> RL -> summary); --smoke, --dry-run
   sweep      a study of variants x seeds with paired statistics: sweep --config configs/experiments/ordering.yaml
   generate   try a trained model:      generate --ckpt CKPT [--prompt TEXT | --task FAMILY] [--num_samples N]
+  export     a model to take away:     export --ckpt CKPT --out DIR  (safetensors + config.json + model card)
+
+From Python: `import glm_lightning; glm_lightning.load(DIR_OR_CKPT).generate("def double(x):")`.
 
 `python -m glm_lightning COMMAND --help` lists a command's options (`fit --help` every model and data knob).
 """
@@ -32,6 +35,16 @@ def main(args: Sequence[str] | None = None, exit_on_error: bool = True) -> None:
     argv = list(sys.argv[1:] if args is None else args)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(HELP, end="")
+        return
+    if argv[0] in ("--version", "-V", "version") or (argv[0] in STAGE_COMMANDS and "--version" in argv[1:]):
+        from glm_lightning import __version__
+
+        print(f"glm-lightning {__version__}")
+        return
+    if argv[0] == "export":
+        from glm_lightning.export import main as export_main
+
+        export_main(argv[1:])
         return
     if argv[0] == "demo":
         from glm_lightning.demo import main as demo_main
@@ -50,7 +63,21 @@ def main(args: Sequence[str] | None = None, exit_on_error: bool = True) -> None:
         return
     if argv[0] not in STAGE_COMMANDS and not argv[0].startswith("-"):
         raise SystemExit(f"error: unknown command {argv[0]!r}; choose one of "
-                         f"{', '.join([*STAGE_COMMANDS, 'demo', 'sweep', 'generate'])} (see --help)")
+                         f"{', '.join([*STAGE_COMMANDS, 'demo', 'sweep', 'generate', 'export'])} (see --help)")
+    from glm_lightning.help_cache import cached_help, is_help_only
+
+    if is_help_only(argv):  # the full option list without the imports, once built (glm_lightning/help_cache.py)
+        def build() -> None:
+            from glm_lightning.stage_cli import build_cli
+
+            build_cli(argv, exit_on_error=exit_on_error)
+
+        print(cached_help(argv, build), end="")
+        return
+    from glm_lightning.user_errors import check_config_files
+
+    check_config_files(argv)  # empty / non-YAML / unknown top-level keys: one line before seconds of imports
+    print(f"[glm-lightning] {argv[0]}: building the run (imports take a few seconds)", file=sys.stderr, flush=True)
     from glm_lightning.stage_cli import build_cli
 
     build_cli(args, exit_on_error=exit_on_error)  # None -> LightningCLI reads sys.argv (no "args and argv" warning)
@@ -78,7 +105,7 @@ def run(args: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - classified below; anything unexpected keeps its traceback
         if os.environ.get("GLM_DEBUG") or not is_user_error(err):
             raise
-        print(f"error: {describe(err)}", file=sys.stderr)
+        print(f"error: {describe(err, list(sys.argv[1:] if args is None else args))}", file=sys.stderr)
         return 2
     return 0
 

@@ -18,18 +18,13 @@ nothing. `--max-steps N` only shortens pre-training.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from callbacks.last_checkpoint import LastCheckpoint
-from callbacks.regression import RegressionCallback
-from glm_lightning.stage_cli import build_cli, check_config
+# torch, Lightning and the stage CLI are imported where a stage runs, so `demo --help` and the run's first line
+# come before the seconds those imports take
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 STAGE_CONFIGS = {"pretrain": ("pretrain.yaml", "demo/pretrain.yaml"), "vision": ("vision.yaml", "demo/vision.yaml"),
@@ -77,11 +72,15 @@ def stage_args(stage: str, extra: list[str]) -> list[str]:
 
 
 def _cli(stage: str, extra: list[str]) -> Any:
+    from glm_lightning.stage_cli import build_cli
+
     return build_cli(stage_args(stage, extra), run=False)
 
 
 def _last_checkpoint(trainer: Any) -> str | None:
     """The run's always-current last.ckpt (written at the end of training by `LastCheckpoint`)."""
+    from callbacks.last_checkpoint import LastCheckpoint
+
     cb = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
     return str(cb.last_path) if cb is not None and cb.last_path is not None else None
 
@@ -128,6 +127,8 @@ def rl(checkpoint: str, extra: list[str]) -> StageResult:
     after = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
     res = StageResult("RL", checkpoint=_last_checkpoint(cli.trainer), metrics=after)
     res.extra["before"] = before
+    from callbacks.regression import RegressionCallback
+
     regression = next((cb for cb in cli.trainer.callbacks if isinstance(cb, RegressionCallback)), None)
     res.extra["regression"] = regression.history[-1] if regression is not None and regression.history else None
     res.seconds = time.perf_counter() - t
@@ -135,20 +136,20 @@ def rl(checkpoint: str, extra: list[str]) -> StageResult:
 
 
 def keep_copy(checkpoint: str | None, name: str, stable: Path = STABLE) -> Path | None:
-    """Copy a checkpoint to <stable>/<name>.ckpt atomically (a reader never sees a half-written file)."""
+    """Hand a stage's weights on as <stable>/<name>.ckpt: a weights-only copy (the model and what the next stage
+    reads, no optimizer state; `glm_lightning.export.weights_only_copy`), written atomically. The full checkpoint
+    for resuming stays in the run's own folder, and the copy names it."""
     if not checkpoint:
         return None
-    stable.mkdir(parents=True, exist_ok=True)
-    dest = stable / f"{name}.ckpt"
-    tmp = dest.with_suffix(".ckpt.tmp")
-    shutil.copyfile(checkpoint, tmp)
-    os.replace(tmp, dest)
-    return dest
+    from glm_lightning.export import weights_only_copy
+
+    return weights_only_copy(checkpoint, stable / f"{name}.ckpt")
 
 
-def summary(stages: list[StageResult], stable: Path = STABLE) -> str:
-    """The demo's closing table (plain text, one metric per line)."""
-    lines = ["", "== glm-lightning demo summary ==", f"{'stage':<14}{'metric':<44}{'value':>12}"]
+def summary(stages: list[StageResult], stable: Path = STABLE, machine: str | None = None) -> str:
+    """The demo's closing table (plain text, one metric per line), headed by the machine that fixes its numbers."""
+    lines = ["", "== glm-lightning demo summary ==", *([f"machine: {machine}"] if machine else []),
+             f"{'stage':<14}{'metric':<44}{'value':>12}"]
 
     def row(stage: str, metric: str, value: float | str) -> None:
         text = value if isinstance(value, str) else f"{value:.3f}"
@@ -186,8 +187,10 @@ def summary(stages: list[StageResult], stable: Path = STABLE) -> str:
                     row("RL", f"monitor {fam}: greedy {r['baseline_greedy']:.2f} -> {r['current_greedy']:.2f}",
                         r["verdict"] if r["verdict"] != "no significant change" else "no sig. change")
     lines += ["", *[f"checkpoint ({s.name}): {s.checkpoint}" for s in stages if s.checkpoint],
-              f"stable copies: {stable}/{{pretrain,vision,rl}}.ckpt",
-              "dashboards: tensorboard --logdir lightning_logs"]
+              f"weights handed on (no optimizer state): {stable}/{{pretrain,vision,rl}}.ckpt",
+              "dashboards: tensorboard --logdir lightning_logs",
+              f"next: python -m glm_lightning generate --ckpt {stable}/rl.ckpt --prompt 'def double(x):'",
+              f"      python -m glm_lightning export --ckpt {stable}/rl.ckpt --out exports/demo-rl"]
     return "\n".join(lines)
 
 
@@ -200,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="check every stage config and print the stage commands; train nothing, write nothing")
     p.add_argument("--stages", default="pretrain,vision,rl", help="comma-separated prefix of the chain to run")
+    p.add_argument("--threads", default=None, metavar="N",
+                   help="intra-op threads of every stage (default: this machine's cores; 'auto': the cores idle at "
+                        "start). Seed + CPU kind + threads fix the demo's numbers")
     return p
 
 
@@ -209,7 +215,16 @@ def main(argv: list[str] | None = None) -> list[StageResult]:
     chain = ["pretrain", "vision", "rl"]
     if not stages_wanted or stages_wanted != chain[: len(stages_wanted)]:
         raise SystemExit(f"--stages must be a prefix of {','.join(chain)} (each stage needs the previous checkpoint)")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.max_steps is not None and args.max_steps < 1:
+        raise SystemExit(f"--max-steps must be >= 1, got {args.max_steps}")
+    from glm_lightning.threads import busy_warning, resolve_threads
+
+    threads, how = resolve_threads(args.threads)
+    what = "checking the stage configs" if args.dry_run else f"running {' -> '.join(stages_wanted)}"
+    print(f"[demo] {what} with {threads} thread{'s' if threads != 1 else ''} ({how})", flush=True)
+    warning = None if str(args.threads).lower() == "auto" else busy_warning(threads)
+    if warning:
+        print(f"[demo] warning: {warning}", flush=True)
     root = SMOKE_ROOT if args.smoke else ROOT
     stable = root / "demo"
     ex = {k: list(v) for k, v in SMOKE.items()} if args.smoke else {k: [] for k in SMOKE}
@@ -217,7 +232,7 @@ def main(argv: list[str] | None = None) -> list[StageResult]:
         ex["pretrain"] += ["--trainer.max_steps", str(args.max_steps),
                            "--trainer.val_check_interval", str(max(1, args.max_steps))]
     for stage in ex:
-        ex[stage] += root_args(root, stage)
+        ex[stage] += [*root_args(root, stage), "--threads", str(threads)]
     if args.dry_run:
         dry_run(stages_wanted, ex, stable)
         return []
@@ -229,13 +244,17 @@ def main(argv: list[str] | None = None) -> list[StageResult]:
     if "rl" in stages_wanted:
         results.append(rl(results[-1].checkpoint, ex["rl"]))
         keep_copy(results[-1].checkpoint, "rl", stable)
-    print(summary(results, stable))
+    from glm_lightning.machine import describe, machine_info
+
+    print(summary(results, stable, describe(machine_info(threads))))
     return results
 
 
 def dry_run(stages: list[str], extra: dict[str, list[str]], stable: Path) -> None:
     """Check each stage's config as the demo would run it (the start weights do not exist yet, so the check uses
     `init_weights: null`) and print the equivalent commands."""
+    from glm_lightning.stage_cli import check_config
+
     previous = {"vision": "pretrain", "rl": "vision"}
     for stage in stages:
         start = ["--model.init_args.init_weights", str(stable / f"{previous[stage]}.ckpt")] if stage in previous else []

@@ -2,8 +2,14 @@
 
 Tokens stream to the terminal as they are sampled. With `--task FAMILY` the prompt is a held-out task of that family
 (`--split`, default `dev`), and every sample is run in the sandboxed verifier, whose verdict is printed under it.
-Without `--prompt` or `--task`, a few prompts of every family are sampled and verified. Any stage's checkpoint works
-(pre-training, vision, RL, or a `last.ckpt` of an unfinished run).
+Without `--prompt` or `--task`, a prompt of every family the checkpoint was trained or monitored on is sampled and
+verified, ending with a per-family table (`--families all`: every registered family). Any stage's checkpoint works
+(pre-training, vision, RL, or a `last.ckpt` of an unfinished run), and so does an export folder
+(`python -m glm_lightning export`).
+
+The model knows only the prompt format it was trained on: a `--prompt` that is a bare signature (`def double(x):`)
+is wrapped in that header, and the run says so (`--raw` sends the prompt as written). Every sample ends with why it
+stopped: the end token, the token limit, or the stop rule (a full `return` line).
 
     python -m glm_lightning generate --ckpt lightning_logs/demo/pretrain.ckpt --task increment --num_samples 4 \
         --temperature 0.7
@@ -17,26 +23,32 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
+LAZY = ("BANNED", "TOK", "Sample", "as_training_prompt", "load_model", "stream_sample")
+"""Names re-exported from glm_lightning.pretrained on first use (it imports torch: `--help` should not wait)."""
 
-from glm_lightning.evaluation import VerifierSettings, completion_finished, verifier_jobs
-from glm_lightning.generation import PRECISIONS, sample_next, sampling_weights
-from glm_lightning.model import GLMModel
-from glm_lightning.modules.base import read_checkpoint
-from glm_lightning.precision import describe as describe_bf16
-from glm_lightning.tokenizer import ByteTokenizer
 
-TOK = ByteTokenizer()
-BANNED = (TOK.pad_id, TOK.bos_id, TOK.image_start_id, TOK.image_id, TOK.image_end_id)
+def __getattr__(name: str) -> Any:
+    if name in LAZY:
+        from glm_lightning import pretrained
+
+        return getattr(pretrained, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+PRECISIONS = ("32", "bf16")  # glm_lightning.generation.PRECISIONS, named here so --help imports no torch model code
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m glm_lightning generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="checkpoint of any stage (e.g. lightning_logs/demo/pretrain.ckpt)")
+    p.add_argument("--ckpt", required=True, help="checkpoint of any stage (e.g. lightning_logs/demo/pretrain.ckpt) "
+                                                 "or an export folder")
     p.add_argument("--prompt", default=None, help="text to continue (a task prompt of --task is used otherwise)")
+    p.add_argument("--raw", action="store_true", help="send --prompt as written (a bare signature is otherwise "
+                                                      "wrapped in the training header)")
     p.add_argument("--task", default=None, metavar="FAMILY", help="build the prompt from a task of this family and "
                                                                   "verify every sample")
+    p.add_argument("--families", default=None, help="without --prompt/--task: comma-separated families, or 'all' "
+                                                    "(default: the families the checkpoint was trained or monitored on)")
     p.add_argument("--num_samples", type=int, default=1, help="samples per prompt (default 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); e.g. 0.7 to sample")
     p.add_argument("--max_new_tokens", type=int, default=64, help="longest completion (default 64)")
@@ -48,58 +60,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_model(path: str) -> GLMModel:
-    """The shared model of any stage's checkpoint, in eval mode."""
-    cfg, state, _ = read_checkpoint(path)
-    model = GLMModel(cfg)
-    if "lm_head.weight" in state:
-        model.untie_head()
-    model.load_state_dict(state)
-    return model.eval()
+def trained_families(record: dict[str, Any]) -> tuple[list[str], str]:
+    """The families a checkpoint's run trained or monitored (from its recorded data settings), and where they came
+    from; the 8 classic families when the checkpoint names none."""
+    from glm_lightning.tasks.families import CLASSIC_FAMILIES, resolve_families
+
+    data = record.get("data") or {}
+    if data.get("train_families"):
+        train = list(resolve_families(data["train_families"]))
+        monitor = data.get("monitor_families")
+        monitor = [f for f in CLASSIC_FAMILIES if f not in train] if monitor is None else \
+            list(resolve_families(monitor)) if monitor else []
+        return [*train, *(f for f in monitor if f not in train)], "the RL run's rewarded and monitored families"
+    if data.get("corpus", "functions") == "functions" and data.get("families"):
+        return list(resolve_families(data["families"])), "the pre-training corpus's families"
+    return list(CLASSIC_FAMILIES), "the 8 classic families (the checkpoint names none)"
 
 
-@torch.inference_mode()
-def stream_sample(model: GLMModel, prompt: str, max_new_tokens: int, temperature: float,
-                  generator: torch.Generator, on_text: Callable[[str], None],
-                  stop: Callable[[list[int]], bool] | None = None) -> str:
-    """One completion decoded token by token with the model's caches; `on_text` gets each new piece of text."""
-    if not prompt:
-        raise ValueError("the prompt is empty: give some text to continue (--prompt) or a task (--task FAMILY)")
-    ids = torch.tensor([TOK.encode(prompt, bos=True)])
-    model.check_ids(ids)
-    budget = min(max_new_tokens, model.cfg.max_seq_len - ids.shape[1])
-    if budget < 1:
-        raise ValueError(f"the prompt has {ids.shape[1]} tokens; the model's context is {model.cfg.max_seq_len}")
-    cache = model.new_cache(1)
-    logits = model(ids, valid=torch.ones_like(ids, dtype=torch.bool), cache=cache).logits[:, -1]
-    tokens: list[int] = []
-    shown = ""
-    for _ in range(budget):
-        logits[:, list(BANNED)] = float("-inf")
-        tok, _ = sample_next(logits, temperature, None, None, generator)
-        if int(tok) == TOK.eos_id:
-            break
-        tokens.append(int(tok))
-        text = TOK.decode(tokens)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            on_text(text[len(shown):])
-            shown = text
-        if stop is not None and text.endswith("\n") and stop(tokens):
-            break
-        logits = model(tok[:, None], valid=torch.ones(1, 1, dtype=torch.bool), cache=cache).logits[:, -1]
-    text = TOK.decode(tokens)
-    on_text(text[len(shown):])
-    return text
-
-
-def task_prompts(args: argparse.Namespace) -> list[Any]:
-    from glm_lightning.tasks.families import family_names, get_family
+def task_prompts(args: argparse.Namespace, record: dict[str, Any] | None = None) -> tuple[list[Any], str]:
+    """The tasks to sample (and verify), and a line saying which families they cover and why."""
+    from glm_lightning.tasks.families import family_names, get_family, resolve_families
     from glm_lightning.tasks.task import make_tasks
 
     if args.task is not None:
         get_family(args.task)  # a clear error for an unknown family
-        return make_tasks(args.split, max(1, args.per_family), [args.task], seed=args.seed)
-    return make_tasks(args.split, args.per_family, list(family_names()), seed=args.seed)
+        return make_tasks(args.split, max(1, args.per_family), [args.task], seed=args.seed), args.task
+    if args.families == "all":
+        families, why = list(family_names()), "every registered family (--families all)"
+    elif args.families:
+        families, why = list(resolve_families(args.families)), "--families"
+    else:
+        families, why = trained_families(record or {})
+    return make_tasks(args.split, args.per_family, families, seed=args.seed), f"{len(families)} families: {why}"
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -113,8 +105,24 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--per_family must be >= 1, got {args.per_family}")
     if args.prompt is not None and args.task is not None:
         raise ValueError("give either --prompt or --task, not both")
+    if args.families is not None and (args.prompt is not None or args.task is not None):
+        raise ValueError("--families picks the prompts when neither --prompt nor --task is given")
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("the prompt is empty: give some text to continue (--prompt) or a task (--task FAMILY)")
+
+
+def family_table(results: list[tuple[str, list[str], list[Any]]], tasks: list[Any]) -> str:
+    """Passed / sampled per family, in the order sampled, with the total."""
+    rows: dict[str, list[int]] = {}
+    for task, (_, _, verdicts) in zip(tasks, results):
+        row = rows.setdefault(task.family, [0, 0])
+        row[0] += sum(v.status == "passed" for v in verdicts)
+        row[1] += len(verdicts)
+    width = max([len("family"), *map(len, rows)])
+    lines = [f"{'family':<{width}}  passed", *(f"{f:<{width}}  {p}/{n}" for f, (p, n) in rows.items())]
+    total = [sum(r[0] for r in rows.values()), sum(r[1] for r in rows.values())]
+    lines.append(f"{'total':<{width}}  {total[0]}/{total[1]} ({total[0] / max(1, total[1]):.0%})")
+    return "\n".join(lines)
 
 
 def run(argv: Sequence[str], out: Callable[[str], None] | None = None) -> list[tuple[str, list[str], list[Any]]]:
@@ -122,25 +130,48 @@ def run(argv: Sequence[str], out: Callable[[str], None] | None = None) -> list[t
     args = build_parser().parse_args(list(argv))
     check_args(args)
     write = out or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    tasks = [] if args.prompt is not None else task_prompts(args)
-    sys.stderr.write(describe_bf16() + "\n")
-    model = sampling_weights(load_model(args.ckpt), args.precision)  # the one line every run logs about bf16 (README, "Precision")
+    note = lambda s: (sys.stderr.write(f"[generate] {s}\n"), sys.stderr.flush())  # noqa: E731
+    note(f"loading {args.ckpt}")
+    import torch
+
+    from glm_lightning.generation import sampling_weights
+    from glm_lightning.pretrained import Sample, as_training_prompt, load, stream_sample
+
+    pretrained = load(args.ckpt)
+    tasks, which = ([], "") if args.prompt is not None else task_prompts(args, pretrained.info)
+    if args.precision != "32":
+        from glm_lightning.precision import describe as describe_bf16
+
+        note(describe_bf16())  # bf16 is native here or emulated (README, "Precision")
+    model = sampling_weights(pretrained.model, args.precision)
     generator = torch.Generator().manual_seed(args.seed)
+    if tasks:
+        note(f"sampling {len(tasks)} prompt(s) x {args.num_samples} from {which}; each sample verified")
+    from glm_lightning.evaluation import VerifierSettings, completion_finished, verifier_jobs
+
     verifier = VerifierSettings(workers=1).build() if tasks else None
     if verifier is not None:  # what isolates the samples here, or which promised protection is missing
-        sys.stderr.write(verifier.summary() + "\n")
+        note(verifier.summary())
+    prompt_seen = args.prompt
+    if args.prompt is not None and not args.raw:
+        prompt_seen, wrapped = as_training_prompt(args.prompt)
+        if wrapped:
+            note("the prompt is a bare signature: wrapped in the training header the model knows (--raw sends it "
+                 "as written)")
     results = []
     try:
         for task in tasks or [None]:
-            prompt = args.prompt if task is None else task.prompt
+            prompt = prompt_seen if task is None else task.prompt
             head = "prompt" if task is None else f"[{task.family}] {task.entry_point}"
             samples = []
             for k in range(args.num_samples):
                 count = f", sample {k + 1}/{args.num_samples}" if args.num_samples > 1 else ""
                 write(f"=== {head}{count} ===\n{prompt}")
-                samples.append(stream_sample(model, prompt, args.max_new_tokens, args.temperature, generator, write,
-                                             stop=completion_finished if task is not None else None))
-                write("\n")
+                sample: Sample = stream_sample(model, prompt, args.max_new_tokens, args.temperature, generator,
+                                               write, stop=completion_finished if task is not None or
+                                               prompt != args.prompt else None)
+                samples.append(sample.text)
+                write(f"\n[stopped: {sample.stop}]\n")
             verdicts = verifier.check_many(verifier_jobs([task] * len(samples), samples)) if task is not None else []
             for k, v in enumerate(verdicts):
                 write(f"verdict {k + 1}/{len(verdicts)}: {v.status} ({v.passed_cases}/{v.total_cases} tests)\n")
@@ -148,6 +179,8 @@ def run(argv: Sequence[str], out: Callable[[str], None] | None = None) -> list[t
     finally:
         if verifier is not None:
             verifier.close()
+    if len(tasks) > 1:
+        write("\n" + family_table(results, tasks) + "\n")
     return results
 
 

@@ -45,13 +45,13 @@ def machine_info(threads: int | None = None) -> dict[str, object]:
         "cpu": cpu_model(),
         "cpu_capability": cpu_capability(),
         "threads": int(torch.get_num_threads() if threads is None else threads),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
         "python": platform.python_version(),
     }
     try:
         import lightning
 
-        info["lightning"] = lightning.__version__
+        info["lightning"] = str(lightning.__version__)
     except ImportError:  # pragma: no cover - lightning is a hard dependency; kept for library use without it
         pass
     return info

@@ -5,9 +5,10 @@ validator and `tests/test_configs.py`, so a misspelt key fails before any run).
 Every LightningModule / DataModule / callback of the project is imported here so configs may name them by class
 name (`class_path: PretrainModule`); any LightningModule or LightningDataModule is accepted (subclass mode).
 
-Every run also gets two callbacks whatever its config says (their settings sit under `last_checkpoint:` and
-`preflight:`): `LastCheckpoint` keeps `checkpoints/last.ckpt` current (step schedule, end, Ctrl-C, SIGTERM, errors)
-and `Preflight` refuses, before the first step, configs that would fail or mislead later. Resuming with
+Every run also gets three callbacks whatever its config says (their settings sit under `last_checkpoint:`,
+`preflight:` and `final_validation:`): `LastCheckpoint` keeps `checkpoints/last.ckpt` current (step schedule, end,
+Ctrl-C, SIGTERM, errors), `Preflight` refuses, before the first step, configs that would fail or mislead later, and
+`FinalValidation` evaluates a fit at its last step when its schedule would not (and warns before such a run). Resuming with
 `--ckpt_path <log dir>/checkpoints/last.ckpt` continues in that same log directory (TensorBoard curves continue).
 """
 
@@ -18,7 +19,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Union
 
 os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
 
@@ -28,6 +29,7 @@ from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback  # 
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 
 import callbacks  # noqa: E402,F401  (registers callbacks for class_path lookup)
+from callbacks.final_validation import FinalValidation  # noqa: E402
 from callbacks.last_checkpoint import LastCheckpoint  # noqa: E402
 from callbacks.preflight import Preflight, check_run  # noqa: E402
 import datamodules  # noqa: E402,F401
@@ -64,6 +66,11 @@ class GLMCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_lightning_class_args(LastCheckpoint, "last_checkpoint")
         parser.add_lightning_class_args(Preflight, "preflight")
+        parser.add_lightning_class_args(FinalValidation, "final_validation")
+        parser.add_argument("--threads", type=Optional[Union[int, str]], default=None,
+                            help="intra-op threads: N fixes the count; default every core of this machine "
+                                 "(OMP_NUM_THREADS when set); 'auto' the cores idle at start (load-dependent). "
+                                 "Seed + CPU kind + threads fix a run's result")
         if self._help_wanted:
             parser.epilog = knobs_help()
             parser.formatter_class = _RawEpilogFormatter(parser.formatter_class)
@@ -88,41 +95,77 @@ class GLMCLI(LightningCLI):
             resume_into_same_run(config)
         if config is not None:
             drop_progress_bars_when_disabled(config)
+            plain_progress_off_terminal(config)
+        self.run_threads = choose_run_threads(config.get("threads") if config is not None else None)
 
     def after_instantiate_classes(self) -> None:
         super().after_instantiate_classes()
-        choose_run_threads()
+        record_machine(self.trainer, self.model, getattr(self, "run_threads", None))
         from glm_lightning import precision
 
         precision.log_start(self.trainer.precision, "training")
 
 
-def choose_run_threads() -> int | None:
-    """Set torch's intra-op threads for this run with `use_threads` (one per core other processes leave idle),
-    unless the user fixed them with OMP_NUM_THREADS; returns the count set (None = left alone)."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
-    from glm_lightning.threads import use_threads
+def choose_run_threads(spec: int | str | None = None) -> int:
+    """Set torch's intra-op threads for this run from `--threads` (`glm_lightning.threads.resolve_threads`: N, the
+    machine's cores by default, OMP_NUM_THREADS when set, or 'auto'), say how it was chosen, warn when other processes
+    keep those cores busy; returns the count set."""
+    from glm_lightning.threads import busy_warning, resolve_threads, use_threads
 
-    n = use_threads()
-    rank_zero_info(f"[threads] {n} intra-op thread(s): the idle cores (OMP_NUM_THREADS overrides)")
+    n, how = resolve_threads(spec)
+    use_threads(n)
+    rank_zero_info(f"[threads] {n} intra-op thread{'s' if n != 1 else ''}: {how}")
+    if spec is None or str(spec).lower() != "auto":
+        warning = busy_warning(n)
+        if warning:
+            rank_zero_info(f"[threads] warning: {warning}")
     return n
 
 
+def record_machine(trainer: pl.Trainer, model: Any, threads: int | None) -> dict[str, Any]:
+    """Say and record what fixes this run besides its seed: the CPU kind, torch's CPU capability, the thread count
+    and versions (`glm_lightning.machine`). They go into the logger's hyperparameters (hparams.yaml, beside the
+    stage's own), the module (`model.machine`: every checkpoint and the final HPARAMS entry carry it)."""
+    from glm_lightning.machine import describe, machine_info
+
+    info = machine_info(threads)
+    rank_zero_info(f"[machine] {describe(info)} (seed + CPU kind + threads fix a run's result)")
+    if model is not None:
+        model.machine = info
+    if trainer is not None and trainer.logger is not None and trainer.global_rank == 0:
+        trainer.logger.log_hyperparams({"machine": info})
+    return info
+
+
 def check_ckpt_path(ckpt_path: Any, model: Any) -> None:
-    """Raise a one-line error unless `ckpt_path` (a Lightning keyword such as `last` aside) is a glm-lightning
-    checkpoint of the model config the parsed `model` section (class_path + init_args) builds."""
+    """Raise a one-line error unless `ckpt_path` (a Lightning keyword such as `last` aside) is a full glm-lightning
+    checkpoint of this command's stage and of the model config the parsed `model` section (class_path + init_args)
+    builds: another stage's checkpoint names both stages, a weights-only copy names the full checkpoint it came from."""
     if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_PATHS or "://" in str(ckpt_path):
         return
+    from glm_lightning.run_record import STAGE_NAMES, checkpoint_record
     from glm_lightning.model import GLMConfig
-    from glm_lightning.modules.base import check_same_model, load_checkpoint_file
+    from glm_lightning.modules.base import STAGE_OF_MODULE, check_same_model, load_checkpoint_file
 
     ckpt = load_checkpoint_file(ckpt_path)
+    class_path = str(model.get("class_path", "")) if hasattr(model, "get") else ""
+    mine = class_path.rpartition(".")[2]
+    theirs = checkpoint_record(ckpt).get("stage")
+    if theirs and mine in STAGE_NAMES and theirs != mine:
+        stage = STAGE_OF_MODULE.get(theirs, "")
+        raise ValueError(f"{ckpt_path} is a {STAGE_NAMES.get(theirs, theirs)} checkpoint ({theirs}) and this command "
+                         f"runs {STAGE_NAMES[mine]} ({mine}): resume it with its own stage config "
+                         f"(configs/{stage}.yaml), or start this stage from its weights with "
+                         f"--model.init_args.init_weights {ckpt_path}")
+    if ckpt.get("weights_only_of") is not None:
+        raise ValueError(f"{ckpt_path} holds weights only (no optimizer state, for init_weights, generate and export): "
+                         f"resume from the full checkpoint {ckpt['weights_only_of']}, or start from these weights "
+                         f"with --model.init_args.init_weights {ckpt_path}")
     init = model.get("init_args") if hasattr(model, "get") else None
     if init is None or init.get("preset") is None:
         return
-    mine = GLMConfig.preset(init.get("preset"), **dict(init.get("model_overrides") or {}))
-    check_same_model(ckpt_path, GLMConfig(**ckpt["glm_config"]), mine)
+    mine_cfg = GLMConfig.preset(init.get("preset"), **dict(init.get("model_overrides") or {}))
+    check_same_model(ckpt_path, GLMConfig(**ckpt["glm_config"]), mine_cfg, STAGE_OF_MODULE.get(mine))
 
 
 def drop_progress_bars_when_disabled(config: Any) -> None:
@@ -134,6 +177,37 @@ def drop_progress_bars_when_disabled(config: Any) -> None:
         return
     trainer["callbacks"] = [cb for cb in callbacks
                             if not str(getattr(cb, "get", lambda *_: "")("class_path", "")).endswith("ProgressBar")]
+
+
+PLAIN_PROGRESS = "callbacks.progress.PlainProgressBar"
+
+
+def plain_progress_off_terminal(config: Any, is_terminal: bool | None = None) -> bool:
+    """When stdout is not a terminal (a pipe, a file, CI; `GLM_PROGRESS=plain` forces it, `=rich` keeps the bar), the
+    configured progress bar, which would print nothing until the end there, becomes `PlainProgressBar` (a plain
+    line at a steady interval). Returns whether it swapped."""
+    import sys
+
+    from jsonargparse import Namespace
+
+    forced = os.environ.get("GLM_PROGRESS", "").strip().lower()
+    plain = forced == "plain" or (forced != "rich" and not (sys.stdout.isatty() if is_terminal is None
+                                                            else is_terminal))
+    trainer = config.get("trainer") or {}
+    if not plain or trainer.get("enable_progress_bar") is False or trainer.get("fast_dev_run"):
+        return False
+    entries = trainer.get("callbacks")
+    entries = [] if entries is None else entries
+    if not isinstance(entries, list):
+        return False
+    bars = [cb for cb in entries if str(getattr(cb, "get", lambda *_: "")("class_path", "")).endswith("ProgressBar")]
+    for cb in bars:
+        cb["class_path"] = PLAIN_PROGRESS
+        cb["init_args"] = Namespace()
+    if not bars:
+        entries.append(Namespace(class_path=PLAIN_PROGRESS, init_args=Namespace()))
+        trainer["callbacks"] = entries
+    return True
 
 
 def resume_into_same_run(config: Any) -> None:

@@ -1,6 +1,12 @@
-"""How many intra-op (OpenMP) threads a CPU run should use: `choose_threads()`, applied by `use_threads`.
+"""How many intra-op (OpenMP) threads a CPU run uses: `resolve_threads()` for `--threads`, `choose_threads()` for
+`--threads auto`, applied by `use_threads`.
 
-One thread per core that other processes leave idle, at least one:
+The thread count is part of what fixes a run (seed + CPU kind + threads: summation order differs between counts), so
+the default is reproducible: every core this process may use (`available_cores`, the machine's own count), whatever
+else runs. `--threads N` fixes another count; `--threads auto` is the interactive choice below, named as such, whose
+result depends on the load at start.
+
+`auto`: one thread per core that other processes leave idle, at least one:
 - when other processes already keep the cores busy, OpenMP threads spin-wait for a core and a step can get 5-10x
   slower (measured: study model 0.17 s/step at 1 thread vs 1.07 s at 2 threads with a load average of 3.5 on 2 cores);
 - on an idle 2-core machine two threads were never slower, whatever the model (training steps, 1 vs 2 threads
@@ -79,3 +85,41 @@ def use_threads(threads: int | None = None) -> int:
     n = choose_threads() if threads is None else threads
     torch.set_num_threads(n)
     return n
+
+
+AUTO = "auto"
+
+
+def resolve_threads(spec: int | str | None, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """The thread count for `--threads spec` and how it was chosen (said in the run's first lines):
+    an integer fixes it; None takes OMP_NUM_THREADS when set (the sweep's workers), else every available core;
+    'auto' takes the idle cores (load-dependent: interactive runs only)."""
+    env = dict(os.environ) if env is None else env
+    if spec is None or spec == "":
+        omp = env.get("OMP_NUM_THREADS", "").strip()
+        if omp:
+            try:
+                return max(1, int(omp)), "OMP_NUM_THREADS"
+            except ValueError:
+                raise ValueError(f"OMP_NUM_THREADS must be a whole number, got {omp!r}") from None
+        return available_cores(), "this machine's cores (--threads N fixes another count)"
+    if str(spec).strip().lower() == AUTO:
+        return choose_threads(), "auto: the cores idle at start (load-dependent; --threads N fixes the count)"
+    try:
+        n = int(spec)
+    except (TypeError, ValueError):
+        raise ValueError(f"--threads must be a whole number >= 1 or 'auto', got {spec!r}") from None
+    if n < 1:
+        raise ValueError(f"--threads must be >= 1 (or 'auto'), got {n}")
+    return n, "--threads"
+
+
+def busy_warning(n: int, cores: int | None = None) -> str | None:
+    """A line when other processes already keep busy some of the `n` cores a run is about to use (its threads then
+    spin-wait: steps 5-10x slower); None when they are idle or the load is unknown."""
+    cores = available_cores() if cores is None else cores
+    busy = busy_cores()
+    if n <= 1 or busy is None or min(n, cores) <= cores - busy + 0.5:
+        return None
+    return (f"other processes keep {busy:.1f} of {cores} cores busy: {n} threads will wait for cores and may run "
+            f"several times slower; --threads {max(1, math.floor(cores - busy + 0.5))} (or auto) uses the idle ones")

@@ -8,9 +8,11 @@ import inspect
 import re
 from difflib import get_close_matches
 from functools import lru_cache
+from pathlib import Path
 
 UNKNOWN_KEY = re.compile(r"""(?:Option|Key|key) ['"]([\w.@/-]+)['"] (?:is not accepted|is not expected)"""
-                         r"""|Unrecognized arguments:\s*(\S+)|[Nn]o action for key ['"]([\w.@/-]+)['"]""")
+                         r"""|Unrecognized arguments:\s*(\S+)|[Nn]o action for key ['"]([\w.@/-]+)['"]"""
+                         r"""|does not accept option ['"]([\w.@/-]+)['"]""")
 
 
 PARSER_KEY = re.compile(r'^(\s*)(?:-\s+)?Parser key "([\w.]+)":')
@@ -28,11 +30,20 @@ WRAPPER_LINES = ("Parser key", "Does not validate", "Subtypes:", "Errors:", "Exp
 
 def is_user_error(err: BaseException) -> bool:
     """Errors the user can fix from the message alone (bad values, files, keys); other errors keep their traceback."""
-    from jsonargparse import ArgumentError
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    if isinstance(err, (ValueError, FileNotFoundError, IsADirectoryError, KeyError)):
+        return True  # before importing the libraries below: an early error stays fast
+    import sys
 
-    return isinstance(err, (ValueError, FileNotFoundError, IsADirectoryError, ArgumentError, KeyError,
-                            MisconfigurationException))
+    if "jsonargparse" in sys.modules:
+        from jsonargparse import ArgumentError
+
+        if isinstance(err, ArgumentError):
+            return True
+    if "lightning" in sys.modules:
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+        return isinstance(err, MisconfigurationException)
+    return False
 
 
 def _signature_names(obj: object) -> set[str]:
@@ -124,7 +135,92 @@ def model_field_suggestion(text: str) -> str | None:
     return f"; did you mean {' / '.join(repr(c) for c in close)}?" if close else None
 
 
-def describe(err: BaseException) -> str:
+TOP_LEVEL_KEYS = ("seed_everything", "trainer", "model", "data", "ckpt_path", "optimizer", "lr_scheduler",
+                  "last_checkpoint", "preflight", "final_validation", "threads", "weights_only")
+"""The keys a stage config file may hold at its top level (the stage CLI's sections and options)."""
+
+
+def config_files(argv: list[str]) -> list[str]:
+    """The `--config FILE` / `--config=FILE` values of a command line, in order."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            out.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            out.append(arg.split("=", 1)[1])
+    return out
+
+
+def _flat_keys(node: object, prefix: str = "") -> set[str]:
+    """Every dotted key path of a YAML mapping, also with `init_args.` left out (how errors name them)."""
+    keys: set[str] = set()
+    if isinstance(node, dict):
+        for k, v in node.items():
+            path = f"{prefix}{k}"
+            keys |= {path, path.replace(".init_args.", ".")} | _flat_keys(v, path + ".")
+    elif isinstance(node, list):
+        for item in node:
+            keys |= _flat_keys(item, prefix)
+    return keys
+
+
+def file_with_key(key: str, argv: list[str]) -> str | None:
+    """The last `--config` file of `argv` that sets `key` (dotted, with or without `init_args`), else None."""
+    import yaml
+
+    wanted = {key, key.replace(".init_args.", ".")}
+    for path in reversed(config_files(argv)):
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError):
+            continue
+        if wanted & _flat_keys(data):
+            return path
+    return None
+
+
+def check_config_files(argv: list[str]) -> None:
+    """Fast checks of every `--config` file before the stage CLI is imported (seconds of imports): a file that is
+    empty, not YAML, not a mapping, or has an unknown top-level key is a one-line ValueError naming the file."""
+    import yaml
+
+    for path in config_files(argv):
+        file = Path(path)
+        if not file.is_file():
+            continue  # the parser's own error ("does not exist") names it
+        try:
+            data = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"{path} is not valid YAML{where}: {problem}") from None
+        if data is None:
+            raise ValueError(f"{path} is empty: a config file is a YAML mapping of sections (trainer:, model:, "
+                             "data:, ...), e.g. configs/pretrain.yaml")
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} is not a YAML mapping (it holds a {type(data).__name__}): a config file maps "
+                             "sections (trainer:, model:, data:, ...) to their settings")
+        for key in data:
+            if key not in TOP_LEVEL_KEYS:
+                match = get_close_matches(str(key), TOP_LEVEL_KEYS, n=1, cutoff=0.6)
+                hint = f"; did you mean {match[0]!r}?" if match else f" (sections: {', '.join(TOP_LEVEL_KEYS)})"
+                raise ValueError(f"unknown config key {str(key)!r} in {path}{hint}")
+
+
+def describe(err: BaseException, argv: list[str] | None = None) -> str:
+    """One line: the message's core (the innermost reason of a config error), plus the closest key if misspelt and
+    the config file that holds it (from `argv`'s `--config` files)."""
+    line = _describe(err)
+    found = re.match(r"unknown config key '([\w.@/-]+)'", line)
+    if found and argv:
+        where = file_with_key(found.group(1), argv)
+        if where and where not in line:
+            line = line.replace(f"'{found.group(1)}'", f"'{found.group(1)}' in {where}", 1)
+    return line
+
+
+def _describe(err: BaseException) -> str:
     """One line: the message's core (the innermost reason of a config error), plus the closest key if misspelt."""
     text = str(err) if not isinstance(err, KeyError) else str(err.args[0] if err.args else err)
     base = BASE_CLASS_PATH.search(text)

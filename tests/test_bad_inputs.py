@@ -37,10 +37,17 @@ def files(tmp_path_factory) -> dict[str, str]:  # noqa: ANN001
     no_start = tmp / "rl_no_start.yaml"
     no_start.write_text("".join(line for line in Path(RL_TINY).read_text().splitlines(keepends=True)
                                 if "init_weights" not in line))
+    (tmp / "empty.yaml").write_text("")
+    (tmp / "trainer_typo.yaml").write_text("trainer: {max_stepz: 10}\n")
+    (tmp / "section_typo.yaml").write_text("trainr: {max_steps: 10}\n")
+    (tmp / "a_list.yaml").write_text("- trainer\n")
+    (tmp / "bad.yaml").write_text("trainer: {max_steps: 10\n")
     not_glm = tmp / "not_glm.ckpt"
     torch.save({"state_dict": {}}, not_glm)
     return {"tiny": _save(tmp / "tiny.ckpt", "tiny", max_seq_len=192),
             "other": _save(tmp / "other.ckpt", "tiny", max_seq_len=192, d_model=48),
+            "demo": _save(tmp / "demo.ckpt", "demo"),
+            **{name: str(tmp / f"{name}.yaml") for name in ("empty", "trainer_typo", "section_typo", "a_list", "bad")},
             "typo": str(typo), "no_start": str(no_start), "not_glm": str(not_glm), "logs": str(tmp / "logs"),
             "folder": str(tmp)}
 
@@ -61,7 +68,7 @@ CASES = {
     "fit: ckpt_path is not a checkpoint": (_fit("--ckpt_path", README), "README.md is not a checkpoint"),
     "fit: ckpt_path is a folder": (_fit("--ckpt_path", "@folder"), "is a folder, not a checkpoint file"),
     "fit: ckpt_path does not exist": (_fit("--ckpt_path", "no/such.ckpt"), "checkpoint not found: no/such.ckpt"),
-    "generate: ckpt is a folder": (["generate", "--ckpt", "@folder"], "is a folder, not a checkpoint file"),
+    "generate: ckpt is a folder": (["generate", "--ckpt", "@folder"], "is a folder but not a glm-lightning export"),
     # prompts and sequences
     "generate: empty prompt": (["generate", "--ckpt", "@tiny", "--prompt", ""], "prompt is empty"),
     "generate: blank prompt": (["generate", "--ckpt", "@tiny", "--prompt", "   "], "prompt is empty"),
@@ -84,6 +91,18 @@ CASES = {
     "fit: misspelt model key": (_fit("--model.init_args.warmup_stepz", "3"),
                                 "did you mean 'model.init_args.warmup_steps'"),
     "fit: misspelt key in the YAML file": (_fit(config="@typo"), "did you mean 'model.init_args.lr'"),
+    "fit: misspelt trainer key in a YAML file names the file": (
+        ["fit", "--config", TINY, "--config", "@trainer_typo"], "'trainer.max_stepz' in "),
+    "fit: the YAML typo gets a suggestion": (["fit", "--config", TINY, "--config", "@trainer_typo"],
+                                             "did you mean 'trainer.max_steps'"),
+    "fit: misspelt section in a YAML file": (["fit", "--config", "@section_typo"], "did you mean 'trainer'?"),
+    "fit: empty YAML file": (["fit", "--config", "@empty"], "is empty: a config file is a YAML mapping"),
+    "fit: YAML file that is a list": (["fit", "--config", "@a_list"], "is not a YAML mapping"),
+    "fit: YAML syntax error": (["fit", "--config", "@bad"], "is not valid YAML at line"),
+    "fit: a demo checkpoint with the full-size stage config": (
+        ["fit", "--config", str(ROOT / "configs" / "rl.yaml"), "--model.init_args.init_weights", "@demo",
+         "--trainer.logger", "false"], "add its overlay (--config configs/demo/rl.yaml)"),
+    "demo: dry run checks the values": (["demo", "--dry-run", "--max-steps", "-5"], "--max-steps must be >= 1"),
     "fit: missing config file": (["fit", "--config", "no/such.yaml"], "does not exist"),
     "fit: abbreviated key": (_fit("--trainer.max_step", "3"), "unknown config key 'trainer.max_step'; did you mean "
                                                                "'trainer.max_steps'?"),
@@ -168,6 +187,22 @@ def test_vision_encoder_rejects_images_of_the_wrong_shape(shape, message):
     cfg = VisionConfig.from_dict({"image_size": 8, "channels": 1, "patch_size": 2, "dim": 16, "heads": 2, "depth": 1})
     with pytest.raises(ValueError, match=message):
         VisionEncoder(cfg, out_dim=32).check_images(torch.zeros(shape))
+
+
+def test_version_is_printed_not_an_unknown_key(capsys):
+    from glm_lightning import __version__
+
+    for argv in (["--version"], ["fit", "--version"]):
+        assert run(argv) == 0
+        assert capsys.readouterr().out.strip() == f"glm-lightning {__version__}"
+
+
+def test_every_shipped_config_passes_the_fast_file_checks():
+    from glm_lightning.user_errors import check_config_files
+
+    for path in sorted((ROOT / "configs").rglob("*.yaml")) + sorted(CONF.glob("*.yaml")):
+        if "experiments" not in path.parts and not path.name.startswith("sweep"):
+            check_config_files(["--config", str(path)])
 
 
 def test_a_missing_dependency_says_how_to_install_it(capsys, monkeypatch):

@@ -28,17 +28,45 @@ def test_use_threads_sets_torch():
         torch.set_num_threads(before)
 
 
-def test_stage_cli_chooses_threads_unless_the_user_fixed_them(monkeypatch):
+def test_stage_cli_threads_default_to_the_machines_cores_not_the_load(monkeypatch):
     from glm_lightning.stage_cli import choose_run_threads
 
-    monkeypatch.setattr(threads, "busy_cores", lambda: 0.0)
     monkeypatch.setattr(threads, "available_cores", lambda: 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert choose_run_threads() == 2 and torch.get_num_threads() == 2, "idle 2 cores: both"
     monkeypatch.setattr(threads, "busy_cores", lambda: 1.2)
-    assert choose_run_threads() == 1, "one core already busy"
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert choose_run_threads() is None and torch.get_num_threads() == 1, "the user's OMP_NUM_THREADS wins"
+    assert choose_run_threads() == 2 and torch.get_num_threads() == 2, "the default does not depend on the load"
+    assert choose_run_threads("auto") == 1, "auto: one core already busy"
+    monkeypatch.setattr(threads, "busy_cores", lambda: 0.0)
+    assert choose_run_threads("auto") == 2, "auto: idle 2 cores: both"
+    assert choose_run_threads(1) == 1 and torch.get_num_threads() == 1, "--threads N fixes it"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert choose_run_threads() == 3, "the sweep's OMP_NUM_THREADS is the default when set"
+    assert choose_run_threads(2) == 2, "--threads wins over OMP_NUM_THREADS"
+
+
+def test_bad_thread_counts_are_one_line_errors(monkeypatch):
+    for bad in (0, -2, "two"):
+        try:
+            threads.resolve_threads(bad)
+        except ValueError as err:
+            assert "--threads" in str(err)
+        else:
+            raise AssertionError(f"{bad!r} accepted")
+    monkeypatch.setenv("OMP_NUM_THREADS", "x")
+    try:
+        threads.resolve_threads(None)
+    except ValueError as err:
+        assert "OMP_NUM_THREADS" in str(err)
+    else:
+        raise AssertionError("OMP_NUM_THREADS=x accepted")
+
+
+def test_busy_warning_only_when_the_cores_are_taken(monkeypatch):
+    monkeypatch.setattr(threads, "busy_cores", lambda: 0.2)
+    assert threads.busy_warning(2, cores=2) is None
+    monkeypatch.setattr(threads, "busy_cores", lambda: 1.5)
+    assert "--threads 1" in threads.busy_warning(2, cores=2)
+    assert threads.busy_warning(1, cores=2) is None
 
 
 def test_busy_cores_come_from_cpu_time_not_the_lagging_load_average(monkeypatch):

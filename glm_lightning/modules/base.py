@@ -79,14 +79,42 @@ def read_checkpoint(path: str | Path) -> tuple[GLMConfig, dict[str, torch.Tensor
     return GLMConfig(**ckpt["glm_config"]), model_state or state, ckpt
 
 
-def check_same_model(path: str | Path, theirs: GLMConfig, mine: GLMConfig) -> None:
+STAGE_OF_MODULE = {"PretrainModule": "pretrain", "VisionModule": "vision", "RLModule": "rl"}
+"""Each stage module's config name (configs/<name>.yaml, configs/demo/<name>.yaml)."""
+
+
+def preset_of(cfg: GLMConfig) -> str | None:
+    """The preset `cfg` is, field for field (the vocabulary aside), else None."""
+    from glm_lightning.model.config import PRESETS
+
+    mine = {k: v for k, v in cfg.to_dict().items() if k != "vocab_size"}
+    for name, preset in PRESETS.items():
+        if {k: v for k, v in preset.to_dict().items() if k != "vocab_size"} == mine:
+            return name
+    return None
+
+
+def check_same_model(path: str | Path, theirs: GLMConfig, mine: GLMConfig, stage: str | None = None) -> None:
     """Refuse a checkpoint trained with another model config than this run's (`init_weights` and `--ckpt_path`
-    alike; the vocabulary may differ, the model grows it)."""
+    alike; the vocabulary may differ, the model grows it), in one line: which preset each is, the first differing
+    fields, and the overlay that fits (`stage`: the stage config's name, e.g. "rl" -> configs/demo/rl.yaml)."""
     a, b = theirs.to_dict(), mine.to_dict()
     diff = {k: (a[k], b[k]) for k in b if k in a and b[k] != a[k] and k != "vocab_size"}
-    if diff:
-        raise ValueError(f"checkpoint {path} was trained with a different model config "
-                         f"(field: checkpoint vs this run): {diff}")
+    if not diff:
+        return
+    shown = ", ".join(f"{k} {x!r} vs {y!r}" for k, (x, y) in list(diff.items())[:3])
+    more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
+    theirs_preset, mine_preset = preset_of(theirs), preset_of(mine)
+    fix = "use the config and overrides of the run that wrote it"
+    if theirs_preset is not None and theirs_preset != mine_preset:
+        overlay = Path("configs") / theirs_preset / f"{stage}.yaml" if stage else None
+        if overlay is not None and (Path(__file__).resolve().parents[2] / overlay).is_file():
+            fix = f"add its overlay (--config {overlay}) or --model.init_args.preset {theirs_preset}"
+        else:
+            fix = f"use --model.init_args.preset {theirs_preset}"
+    kinds = (f"a {theirs_preset!r} model, this run builds {mine_preset or 'another'!r}" if theirs_preset
+             else "trained with a different model config")
+    raise ValueError(f"checkpoint {path} is {kinds} ({shown}{more}: checkpoint vs this run): {fix}")
 
 
 SHIPPED_START_CHECKPOINTS = {
@@ -194,18 +222,28 @@ class StageModule(pl.LightningModule):
         """Load the shared model's weights (the checkpoint's model config must match this module's), then the
         stage's own through `load_stage_weights`; the file is read once."""
         cfg, state, ckpt = read_checkpoint(path)
-        check_same_model(path, cfg, self.glm_config)
+        check_same_model(path, cfg, self.glm_config, STAGE_OF_MODULE.get(type(self).__name__))
         if "lm_head.weight" in state:  # the checkpoint's stage (e.g. RL) trained an untied output head
             self.model.untie_head()
         self.model.load_state_dict(state, strict=strict)
         self.load_stage_weights(ckpt, path, strict)
 
+    machine: dict[str, Any] | None = None
+    """The run's machine (CPU kind, torch's CPU capability, threads, versions: `glm_lightning.machine`), set by the
+    stage CLI; every checkpoint and the final HPARAMS entry carry it (a seed fixes a run only on one of these)."""
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["glm_config"] = self.glm_config.to_dict()
+        checkpoint["stage"] = type(self).__name__
+        if self.machine is not None:
+            checkpoint["machine"] = dict(self.machine)
+        if self._trainer is not None:  # what an export's model card reports (glm_lightning.export)
+            checkpoint["metrics"] = final_metrics(self.trainer)
+            checkpoint["commit"] = code_commit()
 
     # --- dashboards ---------------------------------------------------------------------------------------------
     def on_fit_end(self) -> None:
-        log_final_hparams(self.trainer, dict(self.hparams))
+        log_final_hparams(self.trainer, {**dict(self.hparams), **({"machine": self.machine} if self.machine else {})})
 
     # --- optimisation -------------------------------------------------------------------------------------------
     def param_groups(self) -> list[dict[str, Any]]:
@@ -270,6 +308,19 @@ def model_field_docs() -> str:
 
 if StageModule.__init__.__doc__:
     StageModule.__init__.__doc__ = StageModule.__init__.__doc__.replace("MODEL_FIELDS", model_field_docs())
+
+
+def code_commit() -> str:
+    """The code's commit (short hash, marked when tracked files have uncommitted changes), read once per process."""
+    global _COMMIT
+    if _COMMIT is None:
+        from glm_lightning.sweep.fingerprint import git_revision
+
+        _COMMIT = git_revision()
+    return _COMMIT
+
+
+_COMMIT: str | None = None
 
 
 def final_metrics(trainer: pl.Trainer) -> dict[str, float]:
