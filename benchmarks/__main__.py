@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each in its own process (so peak RSS is per benchmark), one summary table,
 numbers saved to benchmarks/results/latest.json.
 
-    python -m benchmarks [--quick] [--threads auto|1|2] [--only ops,cext,kda,train,bf16,generation,vs_commit,verifier,rl]
+    python -m benchmarks [--quick] [--threads auto|1|2] [--only ops,cext,kda,train,bf16,generation,vs_commit,verifier,rl,cli]
 
 The saved file keeps one row per benchmark: a run replaces the rows of the benchmarks it measured (each stamped with
 its time, `measured_utc`) and keeps every other row, so `--only kda` or a failed benchmark never loses the rest.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from glm_lightning.threads import choose_threads
 
-BENCHES = ("ops", "cext", "kda", "train", "bf16", "generation", "vs_commit", "verifier", "rl")
+BENCHES = ("ops", "cext", "kda", "train", "bf16", "generation", "vs_commit", "verifier", "rl", "cli")
 RESULTS = Path(__file__).parent / "results" / "latest.json"
 
 CHILD = """
@@ -40,6 +40,13 @@ json.dump(res, open(out, "w"), default=str)
 
 def summary_rows(results: dict) -> list[tuple[str, str, str]]:
     rows = []
+    if "cli" in results:
+        c = results["cli"]
+        slowest = max(c["seconds"].items(), key=lambda kv: kv[1])
+        rows.append(("CLI latency", f"{len(c['seconds'])} commands: --help {c['seconds'].get('--help', 0):.2f} s, "
+                                    f"fit --help {c['seconds'].get('fit --help (cached)', 0):.2f} s, config error "
+                                    f"{c['seconds'].get('error: empty config file', 0):.2f} s; slowest "
+                                    f"{slowest[0]} {slowest[1]:.2f} s", f"each < {c['target_s']:g} s"))
     if "ops" in results:
         for name, r in results["ops"].items():
             if isinstance(r, dict):

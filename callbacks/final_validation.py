@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 
 def validation_configured(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
@@ -63,7 +63,7 @@ class FinalValidation(Callback):
         if first > remaining:
             scheduled = "no evaluation is scheduled" if first == math.inf else f"the first evaluation would come " \
                                                                                 f"{int(first)} batches in"
-            rank_zero_warn(f"this run stops at step {trainer.max_steps} ({remaining} steps from now) and {scheduled} "
+            rank_zero_info(f"[evaluation] warning: this run stops at step {trainer.max_steps} ({remaining} steps from now) and {scheduled} "
                            f"(val_check_interval {trainer.val_check_interval}): it is evaluated once, at its last "
                            f"step (lower --trainer.val_check_interval to evaluate more often)")
 

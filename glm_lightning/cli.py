@@ -68,15 +68,18 @@ def main(args: Sequence[str] | None = None, exit_on_error: bool = True) -> None:
 
     if is_help_only(argv):  # the full option list without the imports, once built (glm_lightning/help_cache.py)
         def build() -> None:
+            from glm_lightning.help_cache import keep_schema
             from glm_lightning.stage_cli import build_cli
 
+            keep_schema()  # Lightning is imported now anyway: keep the config schema for fast key errors
             build_cli(argv, exit_on_error=exit_on_error)
 
         print(cached_help(argv, build), end="")
         return
+    from glm_lightning.help_cache import cached_schema
     from glm_lightning.user_errors import check_config_files
 
-    check_config_files(argv)  # empty / non-YAML / unknown top-level keys: one line before seconds of imports
+    check_config_files(argv, cached_schema())  # empty / non-YAML / unknown top-level keys: one line before seconds of imports
     print(f"[glm-lightning] {argv[0]}: building the run (imports take a few seconds)", file=sys.stderr, flush=True)
     from glm_lightning.stage_cli import build_cli
 

@@ -1,7 +1,9 @@
-"""`fit --help` (and `validate`/`test`) from a cache: the stage CLI's help lists every Lightning and project option,
-which takes the seconds of importing Lightning to build; the text only changes with the code, the libraries and the
-width it is built at (fixed), so it is kept once per code and library versions (`~/.cache/glm_lightning/help/`, `XDG_CACHE_HOME`
-respected; `GLM_HELP_CACHE=0` turns it off).
+"""What the stage CLI's parser knows, kept so the command line can answer without the seconds of importing
+Lightning: the text of `fit --help` (and `validate`/`test`), and the config schema (the keys of the trainer, of the
+always-on sections and of every project class a config may name) with which `user_errors.check_config_files` finds a
+misspelt key in a config file before any heavy import. Both only change with the code and the libraries, so they are
+kept once per code and library versions (`~/.cache/glm_lightning/help/`, `XDG_CACHE_HOME` respected;
+`GLM_HELP_CACHE=0` turns it off); `make venv` builds them.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -77,3 +80,67 @@ def cached_help(argv: Sequence[str], build: Callable[[], None]) -> str:
         tmp.write_text(text)
         os.replace(tmp, path)
     return text
+
+
+def schema_path() -> Path | None:
+    if os.environ.get("GLM_HELP_CACHE", "1") == "0":
+        return None
+    return cache_dir() / f"schema-{cache_key(['schema'])}.json"
+
+
+def build_schema() -> dict[str, object]:
+    """The config keys the stage CLI accepts (imports Lightning and the project): the Trainer's arguments, each
+    always-on section's, and each project class's init arguments (its own and its project base classes')."""
+    import inspect
+
+    import lightning.pytorch as pl
+
+    import callbacks
+    import datamodules
+    import glm_lightning.modules as modules
+    from callbacks.final_validation import FinalValidation
+    from callbacks.last_checkpoint import LastCheckpoint
+    from callbacks.preflight import Preflight
+
+    def params(cls: type) -> list[str]:
+        names: set[str] = set()
+        for klass in inspect.getmro(cls):
+            if klass is cls or klass.__module__.split(".")[0] in ("glm_lightning", "callbacks", "datamodules"):
+                try:
+                    names |= {n for n in inspect.signature(klass.__init__).parameters
+                              if n not in ("self", "args", "kwargs")}
+                except (TypeError, ValueError):
+                    pass
+        return sorted(names)
+
+    classes = {}
+    for module in (callbacks, datamodules, modules):
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj):
+                for key in {name, f"{obj.__module__}.{name}", f"{module.__name__}.{name}"}:
+                    classes[key] = params(obj)
+    return {"trainer": params(pl.Trainer), "classes": classes,
+            "sections": {"last_checkpoint": params(LastCheckpoint), "preflight": params(Preflight),
+                         "final_validation": params(FinalValidation)}}
+
+
+def cached_schema() -> dict | None:
+    """The cached schema, or None when it is not built for this code and these libraries."""
+    path = schema_path()
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def keep_schema() -> None:
+    """Build and keep the schema unless it is already kept (call where Lightning is imported anyway)."""
+    path = schema_path()
+    if path is None or path.is_file():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(build_schema()))
+    os.replace(tmp, path)

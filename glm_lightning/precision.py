@@ -63,10 +63,12 @@ _logged: set[str] = set()
 
 
 def log_start(precision: object = None, what: str = "run") -> None:
-    """Log :func:`describe` once per process, and when ``precision`` asks for bf16 on a CPU without native bf16, one
-    warning saying what that means (once per process and ``what``)."""
+    """When ``precision`` asks for bf16: log :func:`describe` once per process and, on a CPU without native bf16,
+    one warning saying what that means (once per process and ``what``). An fp32 run says nothing about bf16."""
     from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+    if not is_bf16(precision):
+        return
     if "line" not in _logged:
         _logged.add("line")
         rank_zero_info(describe())

@@ -5,6 +5,7 @@ exact message it drops and why, so anything else the libraries say still shows.
   config check hand the stage CLI its arguments on purpose while sys.argv holds their own;
 - Lightning's tips to install `litlogger` / `litmodels` (cloud services; this lab runs offline);
 - torch's "`isinstance(treespec, LeafSpec)` is deprecated", raised inside Lightning's own pytree helper;
+- Lightning's "Trainer already configured with model summary callbacks": the stage CLI's own summary, on purpose;
 - Lightning's "Your `IterableDataset` has `__len__` defined": the project's corpora are iterable datasets with a
   known length, served by one loader process (the warning concerns several workers).
 """
@@ -28,9 +29,16 @@ TIP_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilit
 """The loggers Lightning's rank_zero_info writes through."""
 
 
+DROPPED_INFO = ("Trainer already configured with model summary callbacks",)
+"""Lightning's note that the run brings its own model summary: the stage CLI adds `callbacks.summary.ParamsSummary`
+to every run on purpose (its summary leaves out the FLOPs Lightning cannot count here)."""
+
+
 class _NoInstallTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
+        if message.startswith(DROPPED_INFO):
+            return False
         return not (message.startswith("💡 Tip") and any(f"[{name}]" in message for name in DROPPED_TIPS))
 
 

@@ -96,11 +96,15 @@ class GLMCLI(LightningCLI):
         if config is not None:
             drop_progress_bars_when_disabled(config)
             plain_progress_off_terminal(config)
+            summary_without_zero_flops(config)
         self.run_threads = choose_run_threads(config.get("threads") if config is not None else None)
 
     def after_instantiate_classes(self) -> None:
         super().after_instantiate_classes()
         record_machine(self.trainer, self.model, getattr(self, "run_threads", None))
+        from glm_lightning.help_cache import keep_schema
+
+        keep_schema()  # once per code version: the next command's config-key errors need no Lightning import
         from glm_lightning import precision
 
         precision.log_start(self.trainer.precision, "training")
@@ -208,6 +212,22 @@ def plain_progress_off_terminal(config: Any, is_terminal: bool | None = None) ->
         entries.append(Namespace(class_path=PLAIN_PROGRESS, init_args=Namespace()))
         trainer["callbacks"] = entries
     return True
+
+
+def summary_without_zero_flops(config: Any) -> None:
+    """Every run that shows a model summary shows `callbacks.summary.ParamsSummary` (no "Total FLOPs: 0"), unless
+    its config lists a summary callback of its own."""
+    from jsonargparse import Namespace
+
+    trainer = config.get("trainer") or {}
+    entries = trainer.get("callbacks")
+    entries = [] if entries is None else entries
+    if trainer.get("enable_model_summary") is False or trainer.get("fast_dev_run") or not isinstance(entries, list):
+        return
+    if any(str(getattr(cb, "get", lambda *_: "")("class_path", "")).endswith("ModelSummary") for cb in entries):
+        return
+    entries.append(Namespace(class_path="callbacks.summary.ParamsSummary", init_args=Namespace()))
+    trainer["callbacks"] = entries
 
 
 def resume_into_same_run(config: Any) -> None:

@@ -25,8 +25,6 @@ import math
 import os
 import time
 
-import torch
-
 
 def available_cores() -> int:
     """Cores this process may run on (its CPU affinity), at least 1."""
@@ -82,6 +80,8 @@ def choose_threads(cores: int | None = None) -> int:
 
 def use_threads(threads: int | None = None) -> int:
     """Set torch's intra-op threads to `threads`, or to `choose_threads()` when None; returns the count."""
+    import torch  # here, not at the top: the command line names the count before the seconds of torch's import
+
     n = choose_threads() if threads is None else threads
     torch.set_num_threads(n)
     return n

@@ -179,11 +179,14 @@ def file_with_key(key: str, argv: list[str]) -> str | None:
     return None
 
 
-def check_config_files(argv: list[str]) -> None:
+def check_config_files(argv: list[str], schema: dict | None = None) -> None:
     """Fast checks of every `--config` file before the stage CLI is imported (seconds of imports): a file that is
-    empty, not YAML, not a mapping, or has an unknown top-level key is a one-line ValueError naming the file."""
+    empty, not YAML, not a mapping, has an unknown top-level key, or (with the cached `schema` of
+    `glm_lightning.help_cache`) an unknown key in a section, is a one-line ValueError naming the file and the
+    closest key."""
     import yaml
 
+    class_paths: dict[str, str] = {}
     for path in config_files(argv):
         file = Path(path)
         if not file.is_file():
@@ -206,6 +209,45 @@ def check_config_files(argv: list[str]) -> None:
                 match = get_close_matches(str(key), TOP_LEVEL_KEYS, n=1, cutoff=0.6)
                 hint = f"; did you mean {match[0]!r}?" if match else f" (sections: {', '.join(TOP_LEVEL_KEYS)})"
                 raise ValueError(f"unknown config key {str(key)!r} in {path}{hint}")
+        if schema is not None:
+            check_section_keys(data, path, schema, class_paths)
+
+
+def _unknown(key: str, known: list[str], where: str) -> ValueError:
+    leaf = key.rpartition(".")[2]
+    match = get_close_matches(leaf, known, n=1, cutoff=0.6)
+    suggestion = f"{key.rpartition('.')[0]}.{match[0]}" if match and "." in key else (match[0] if match else None)
+    return ValueError(f"unknown config key {key!r} in {where}" + (f"; did you mean {suggestion!r}?" if suggestion
+                                                                 else ""))
+
+
+def check_section_keys(data: dict, path: str, schema: dict, class_paths: dict[str, str]) -> None:
+    """The keys inside `trainer:`, the always-on sections and the `init_args` of a project class named by
+    `class_path` (here or in an earlier file: `class_paths` carries them across a command's files), checked
+    against the cached schema (`help_cache`). A class the schema does not know is left to the parser."""
+    trainer = data.get("trainer")
+    if isinstance(trainer, dict):
+        for key in trainer:
+            if key not in schema["trainer"]:
+                raise _unknown(f"trainer.{key}", schema["trainer"], path)
+    for section, known in schema["sections"].items():
+        if isinstance(data.get(section), dict):
+            for key in data[section]:
+                if key not in known:
+                    raise _unknown(f"{section}.{key}", known, path)
+    for section in ("model", "data"):
+        node = data.get(section)
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("class_path"), str):
+            class_paths[section] = node["class_path"]
+        known = schema["classes"].get(class_paths.get(section, ""))
+        init = node.get("init_args")
+        if known is None or not isinstance(init, dict):
+            continue
+        for key in init:
+            if key not in known:
+                raise _unknown(f"{section}.init_args.{key}", known, path)
 
 
 def describe(err: BaseException, argv: list[str] | None = None) -> str:

@@ -198,11 +198,35 @@ def test_version_is_printed_not_an_unknown_key(capsys):
 
 
 def test_every_shipped_config_passes_the_fast_file_checks():
+    from glm_lightning.help_cache import build_schema
     from glm_lightning.user_errors import check_config_files
 
+    schema = build_schema()
     for path in sorted((ROOT / "configs").rglob("*.yaml")) + sorted(CONF.glob("*.yaml")):
         if "experiments" not in path.parts and not path.name.startswith("sweep"):
-            check_config_files(["--config", str(path)])
+            base = [] if path.parent.name != "demo" else ["--config", str(ROOT / "configs" / path.name)]
+            if not base or Path(base[1]).is_file():
+                check_config_files([*base, "--config", str(path)], schema)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("trainer: {max_stepz: 10}\n", "'trainer.max_stepz' in {file}; did you mean 'trainer.max_steps'?"),
+    ("model:\n  init_args: {warmup_stepz: 3}\n", "'model.init_args.warmup_stepz' in {file}; did you mean "
+                                                  "'model.init_args.warmup_steps'?"),
+    ("final_validation: {enabeld: true}\n", "did you mean 'final_validation.enabled'?"),
+])
+def test_a_misspelt_key_in_a_file_is_found_from_the_cached_schema_without_lightning(tmp_path, text, message):
+    """The schema the help cache keeps lets the command line name a misspelt key and its file before importing
+    Lightning (tests/test_bad_inputs.py's CLI cases check the parser's own message for the same typos)."""
+    from glm_lightning.help_cache import build_schema
+    from glm_lightning.user_errors import check_config_files
+
+    file = tmp_path / "overlay.yaml"
+    file.write_text(text)
+    with pytest.raises(ValueError) as err:
+        check_config_files(["--config", TINY, "--config", str(file)], build_schema())
+    assert message.format(file=file) in str(err.value)
+    check_config_files(["--config", TINY, "--config", str(file)], None)  # without a schema: left to the parser
 
 
 def test_a_missing_dependency_says_how_to_install_it(capsys, monkeypatch):

@@ -1,6 +1,7 @@
 """Every `python -m glm_lightning ...` command written in the README, docs/ and the configs' comments parses as
-written (stage commands with the real CLI parser, instantiating nothing; `demo`, `generate` and `sweep` with their
-own parsers, a sweep's study file loaded), and every checkpoint path they name is one a documented command writes."""
+written (stage commands with the real CLI parser, instantiating nothing; `demo`, `generate`, `export` and `sweep`
+with their own parsers, a sweep's study file loaded), and every checkpoint path they name is one a documented command
+writes."""
 
 from __future__ import annotations
 
@@ -81,6 +82,10 @@ def parse_documented(command: str) -> None:
         from glm_lightning.generate_cli import build_parser as generate_parser
 
         generate_parser().parse_args(args[1:])
+    elif args[0] == "export":
+        from glm_lightning.export import build_parser as export_parser
+
+        export_parser().parse_args(args[1:])
     elif args[0] == "sweep" and args[1:2] != ["findings"]:
         from glm_lightning.sweep.cli import build_parser as sweep_parser
         from glm_lightning.sweep.study import load_study

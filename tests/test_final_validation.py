@@ -3,9 +3,10 @@ evaluates there), and says before its first step that no evaluation is scheduled
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
-import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from glm_lightning.cli import main
@@ -28,9 +29,11 @@ def _fit(tmp_path: Path, max_steps: int, interval: int, *extra: str) -> list[int
 
 
 def test_a_run_that_ends_before_its_first_evaluation_is_evaluated_at_the_end_and_warned(tmp_path, caplog):
-    with pytest.warns(UserWarning, match=r"stops at step 3 .* it is evaluated once, at its last step"):
-        steps = _fit(tmp_path, 3, 10)
+    caplog.set_level(logging.INFO)
+    steps = _fit(tmp_path, 3, 10)
     assert steps == [2]
+    said = [r.getMessage() for r in caplog.records if "[evaluation] warning" in r.getMessage()]
+    assert len(said) == 1 and re.search(r"stops at step 3 .* it is evaluated once, at its last step", said[0])
 
 
 def test_a_run_evaluated_at_its_last_step_anyway_is_evaluated_once(tmp_path):
