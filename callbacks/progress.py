@@ -14,7 +14,28 @@ from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 
 
 class StepProgressBar(RichProgressBar):
-    """RichProgressBar whose epoch label omits a limit that does not exist."""
+    """RichProgressBar whose epoch label omits a limit that does not exist; a run bounded by `max_steps` counts
+    optimizer steps against it (so a resumed run reads 40/150, not 40/33 of an epoch), and the logger's version is
+    not squeezed into the metrics (`v_num: on_2` for `version_2`)."""
+
+    def _by_steps(self) -> bool:
+        trainer = self.trainer
+        return trainer.max_epochs is not None and trainer.max_epochs < 0 and bool(trainer.max_steps) and \
+            trainer.max_steps > 0
+
+    @property
+    def total_train_batches(self) -> int | float:
+        return self.trainer.max_steps if self._by_steps() else super().total_train_batches
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # the bar's position is the optimizer step when the run is bounded by steps (RichProgressBar sets batch + 1)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch,
+                                   trainer.global_step - 1 if self._by_steps() else batch_idx)
+
+    def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
 
     def _get_train_description(self, current_epoch: int) -> str:
         description = super()._get_train_description(current_epoch)

@@ -53,3 +53,19 @@ def quiet_known_noise() -> None:
         logger = logging.getLogger(name)
         if _TIP_FILTER not in logger.filters:
             logger.addFilter(_TIP_FILTER)
+
+
+RESUME_WARNINGS = (
+    r"Checkpoint directory .* exists and is not empty",
+    r"The dirpath has changed from",
+)
+"""ModelCheckpoint's warnings when a command starts from `--ckpt_path`: resuming continues in the checkpoint's own
+run folder on purpose (`stage_cli.resume_into_same_run`), so its checkpoints directory is not empty; `validate` and
+`test` of a checkpoint train nothing, so where its callbacks' state would be reloaded does not matter."""
+
+
+def quiet_resume_noise() -> None:
+    """Install the `RESUME_WARNINGS` filters (only for a command given `--ckpt_path`: a fresh run into a folder that
+    already holds checkpoints still gets Lightning's warning)."""
+    for pattern in RESUME_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)

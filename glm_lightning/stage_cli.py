@@ -93,6 +93,9 @@ class GLMCLI(LightningCLI):
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         if config is not None and config.get("ckpt_path"):
             resume_into_same_run(config)
+            from glm_lightning.quiet import quiet_resume_noise
+
+            quiet_resume_noise()
         if config is not None:
             drop_progress_bars_when_disabled(config)
             plain_progress_off_terminal(config)

@@ -58,3 +58,24 @@ def test_a_piped_fit_prints_plain_lines(tmp_path, capsys, monkeypatch):
           "--trainer.default_root_dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "[progress] training from step 0" in out and "[progress] step 2/2 (100%)" in out and "(done)" in out
+
+
+def test_the_rich_bar_counts_steps_against_max_steps_and_shows_no_version(tmp_path, monkeypatch):
+    """After a resume the rich bar read `40/33` (batches of an epoch) and `v_num: on_2` (the last 4 characters of
+    `version_2`); a step-bounded run now counts optimizer steps against max_steps."""
+    from callbacks.progress import StepProgressBar
+
+    bar = StepProgressBar()
+    trainer = SimpleNamespace(max_epochs=-1, max_steps=150, global_step=40, num_training_batches=33)
+    monkeypatch.setattr(StepProgressBar, "trainer", property(lambda self: trainer))
+    assert bar.total_train_batches == 150
+    seen = []
+    monkeypatch.setattr("lightning.pytorch.callbacks.RichProgressBar.on_train_batch_end",
+                        lambda self, tr, pm, out, b, idx: seen.append(idx + 1))
+    bar.on_train_batch_end(trainer, None, None, None, batch_idx=6)
+    assert seen == [40], "the bar's position is the step, not the batch of the epoch"
+    trainer.max_epochs, trainer.max_steps = 3, -1
+    assert bar.total_train_batches == 33
+    monkeypatch.setattr("lightning.pytorch.callbacks.RichProgressBar.get_metrics",
+                        lambda self, tr, pm: {"v_num": "on_2", "train/loss": 1.0})
+    assert bar.get_metrics(trainer, None) == {"train/loss": 1.0}
