@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from glm_lightning.verifier import Verifier, WeakerSandboxError
-from tests.sandbox_probes import SANDBOX_UID, sandbox_files, stray_processes, sysv_objects
+from tests.sandbox_probes import is_sandbox_uid, sandbox_files, stray_processes, sysv_objects
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/key-users").exists(),
                                 reason="raw syscall numbers below are x86_64; needs Linux keyrings")
@@ -290,11 +290,9 @@ assert len(SINGLE) + len(CHANNELS) >= 25 and len({n for n, *_ in SINGLE + CHANNE
 # Judging from outside the sandbox
 # --------------------------------------------------------------------------------------------------------------
 def sandbox_keys() -> str:
-    """The sandbox uid's line of /proc/key-users (key counts and quota use), '' when it owns no keys."""
-    for line in Path("/proc/key-users").read_text().splitlines():
-        if line.strip().startswith(f"{SANDBOX_UID}:"):
-            return line.strip()
-    return ""
+    """The sandbox uids' lines of /proc/key-users (key counts and quota use), '' when they own no keys."""
+    lines = [line.strip() for line in Path("/proc/key-users").read_text().splitlines()]
+    return "\n".join(line for line in lines if line.split(":")[0].isdigit() and is_sandbox_uid(int(line.split(":")[0])))
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -34,6 +34,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # -I keeps the script's directory off sys.path
+import procview  # noqa: E402
 import seccomp  # noqa: E402
 
 sys.path.remove(HERE)
@@ -41,6 +42,7 @@ ZYGOTE_SCRIPT = os.path.join(HERE, "zygote.py")
 # What the zygote needs of this directory; copied into the private root (the project itself is never visible there).
 SANDBOX_MODULES = ("zygote.py", "child.py", "cleanup.py", "guards.py", "protocol.py")
 ROOT_SCRIPT_DIR = "/verifier"
+PROC_STORE = "/verifier/proc"  # the synthetic /proc files (procview.py), in the private root's own tmpfs
 # Host paths the private root shows read-only besides the interpreter and its lib directory: shared libraries the
 # standard library's extension modules link against, the loader cache and the time zone database (zoneinfo).
 SYSTEM_PATHS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32", "/usr/share/zoneinfo",
@@ -121,7 +123,18 @@ def _bind(source: str, target: str) -> None:
     mount(None, target, None, flags, None)
 
 
-def pivot_to_private_root(report: dict[str, Any]) -> str:
+def _write_accounts(etc: str, uids: list[int], gid: int) -> None:
+    """/etc/passwd and /etc/group of the private root: an entry for every uid a job of this server may run as, so
+    `getpass.getuser()` and `pwd.getpwuid(os.getuid())` work for honest code (glibc reads files when nsswitch.conf
+    is absent)."""
+    with open(os.path.join(etc, "passwd"), "w") as fh:
+        fh.write("root:x:0:0:root:/root:/usr/sbin/nologin\n")
+        fh.writelines(f"sandbox:x:{uid}:{gid}:verifier candidate:/tmp:/usr/sbin/nologin\n" for uid in uids)
+    with open(os.path.join(etc, "group"), "w") as fh:
+        fh.write(f"root:x:0:\nsandbox:x:{gid}:\n")
+
+
+def pivot_to_private_root(report: dict[str, Any], config: dict[str, Any] | None = None) -> str:
     """Assemble a root that holds only the interpreter, its standard library, system libraries, a few devices and
     copies of the sandbox scripts, and pivot into it. The host file system (this project's sources, e.g. the tasks'
     reference solutions, the caller's files, other users' files) is then unreachable from the zygote and every child.
@@ -152,6 +165,11 @@ def pivot_to_private_root(report: dict[str, Any]) -> str:
         os.symlink("/proc/self/fd", base + "/dev/fd")
         for path in ("/proc", "/tmp", "/var/tmp", "/dev/shm", "/etc"):
             os.makedirs(base + path, 0o755, exist_ok=True)
+        if config and config.get("uid_block"):
+            first, count = (int(x) for x in config["uid_block"])
+            _write_accounts(base + "/etc", list(range(first, first + count)), int(config.get("gid") or 65534))
+        elif config and config.get("uid") is not None:
+            _write_accounts(base + "/etc", [int(config["uid"])], int(config.get("gid") or 65534))
         os.chmod(base + "/tmp", 0o1777)
         scripts = base + ROOT_SCRIPT_DIR
         os.makedirs(scripts, 0o755)
@@ -180,7 +198,7 @@ def _mount_points() -> list[tuple[str, set[str]]]:
 
 
 def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: str, private_root: bool,
-                 python: str) -> str:
+                 python: str, config: dict[str, Any] | None = None) -> str:
     """A private root (with PID namespace), private tmpfs for every writable place, a fresh /proc, everything else
     read-only (in our namespace only). `python`: the interpreter's real path, resolved on the host before the pivot
     (inside the private root a virtual environment's path, e.g. /tmp/clone/.venv/bin/python, does not exist, so
@@ -190,7 +208,7 @@ def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: 
     script = ZYGOTE_SCRIPT
     if spaces["pid"] and private_root:  # a fresh /proc needs the PID namespace; so does hiding the host
         try:
-            script = pivot_to_private_root(report)
+            script = pivot_to_private_root(report, config)
         except (OSError, KeyError) as exc:
             report["errors"].append(f"private root: {exc}")
     if spaces["pid"]:
@@ -199,6 +217,15 @@ def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: 
             report["private_proc"] = True
         except OSError as exc:
             report["errors"].append(str(exc))
+    off = set((config or {}).get("defences_off", ()))
+    if report["private_proc"] and report["private_root"] and "proc_view" not in off:
+        try:
+            with open("/proc/cpuinfo") as fh:
+                cpuinfo = fh.read()
+            report["proc_view"] = procview.install(mount, PROC_STORE, int((config or {}).get("memory_mb", 256)),
+                                                   os.cpu_count() or 1, cpuinfo)
+        except OSError as exc:
+            report["errors"].append(f"proc view: {exc}")
     private = []
     needed = [os.path.dirname(script) + "/", python]
     if any(p.startswith("/tmp/") for p in needed):  # no private /tmp, so no work tmpfs: keep the host scratch
@@ -273,7 +300,7 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
     """In the forked child (PID 1 of the new PID namespace, if any): finish the isolation, then exec."""
     report: dict[str, Any] = {"namespaces": spaces, "errors": [], "private_proc": False, "private_tmpfs": [],
                               "ipc_limits": [], "memfd_noexec": False, "readonly_remounts": 0, "private_root": None,
-                              "seccomp": None}
+                              "seccomp": None, "proc_view": None}
     script = ZYGOTE_SCRIPT
     python = os.path.realpath(sys.executable)  # resolved on the host, before any pivot
     try:
@@ -281,7 +308,8 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
         if os.getppid() not in (parent, 0):  # 0: the parent lives outside our new PID namespace
             os._exit(1)
         if spaces["mount"]:
-            script = setup_mounts(spaces, report, config["scratch"], bool(config.get("private_root", True)), python)
+            script = setup_mounts(spaces, report, config["scratch"], bool(config.get("private_root", True)), python,
+                                  config)
     except OSError as exc:
         report["errors"].append(str(exc))
         report["private_tmpfs"], report["private_proc"] = [], False
@@ -292,7 +320,7 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
     config["stage_fds"] = _staging_pipe(int(config.get("max_result_bytes", 1 << 20)))
     if config.get("seccomp", True):  # last: from here on only what the allowlist permits (execve included)
         try:
-            report["seccomp"] = seccomp.install()
+            report["seccomp"] = seccomp.install(frozenset(config.get("defences_off", ())))
         except (OSError, AttributeError) as exc:
             report["errors"].append(f"seccomp: {exc}")
         config["sandbox"] = report
@@ -301,6 +329,8 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
 
 def main() -> None:
     config = json.loads(sys.argv[1])
+    if config.get("lease_fd") is not None:  # the uid block's lease (uids.py): held by this waiting process only,
+        os.set_inheritable(int(config["lease_fd"]), False)  # so it ends when the last process of the server is gone
     spaces = create_namespaces(os.geteuid() == 0) if config.get("isolate", True) else \
         {"user": False, "mount": False, "ipc": False, "net": False, "pid": False}
     parent = os.getpid()

@@ -75,6 +75,9 @@ class Zygote:
         self.wipe_dirs = [p for p in SHARED_TMP if p in private]  # ours to empty: private to this namespace
         self.clean_stamp: dict[str, tuple[int, int]] = {}  # (mtime, ctime) of each after its last wipe
         self.sweep_dirs = [p for p in SHARED_TMP if p not in private and config.get("uid") is not None]
+        block = config.get("uid_block")
+        self.uid_block = (int(block[0]), int(block[1])) if block else None
+        self.sandbox_uids = range(block[0], block[0] + block[1]) if block else range(0)
         wanted = int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES))
         if config.get("stage_fds"):  # created and sized by the launcher before the seccomp filter existed
             self.stage_r, self.stage_w = (int(fd) for fd in config["stage_fds"])
@@ -94,6 +97,9 @@ class Zygote:
     # -- per-job working directory -------------------------------------------------------------------------------
     def _make_workdir(self) -> str:
         self.counter += 1
+        if self.uid_block is not None:  # issue 46: the next uid of this server's own block, one per job
+            first, count = self.uid_block
+            self.config["uid"] = first + self.counter % count
         path = os.path.join(self.scratch, f"w{self.counter}-{os.urandom(4).hex()}")
         os.mkdir(path, 0o700)
         if self.config.get("uid") is not None:
@@ -110,8 +116,8 @@ class Zygote:
             ok = cleanup.wipe(path, keep=frozenset({os.path.basename(self.scratch)}) if path == "/tmp" else
                               frozenset()) and ok
             self.clean_stamp[path] = self._stamp(path)
-        for path in self.sweep_dirs:  # no private tmpfs: remove what the sandbox uid created during this run
-            ok = _sweep_owned(path, self.config["uid"], started) and ok
+        for path in self.sweep_dirs:  # no private tmpfs: remove what the sandbox uids created during this run
+            ok = _sweep_owned(path, self.config["uid"], self.sandbox_uids) and ok
         return ok
 
     @staticmethod
@@ -334,12 +340,12 @@ def _read_report(ctl_r: int) -> dict[str, Any] | None:
         return None
 
 
-def _sweep_owned(path: str, uid: int, since: float) -> bool:
-    """Fallback without a private tmpfs: delete top-level entries of `path` owned by the sandbox uid."""
+def _sweep_owned(path: str, uid: int, block: range) -> bool:
+    """Fallback without a private tmpfs: delete top-level entries of `path` owned by the sandbox uid(s)."""
     ok = True
     try:
         with os.scandir(path) as entries:
-            owned = [e.path for e in entries if _owner(e) == uid]
+            owned = [e.path for e in entries if _owner(e) == uid or _owner(e) in block]
     except OSError:
         return True
     for entry in owned:
