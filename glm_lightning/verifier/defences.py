@@ -19,7 +19,7 @@ DEFENCES = {
     "sockets": "setsockopt refused and socketpair stream-only (socket buffers stay at wmem_default)",
     "proc_view": "synthetic /proc/meminfo, stat, ...; host-wide /proc files masked; sysinfo refused",
     "prctl": "prctl only for an allow-list of options (no PR_SET_DUMPABLE: pagemap stays unreadable)",
-    "sync": "fsync/fdatasync/msync are no-ops (no host disk cache flush)",
+    "sync": "fsync/fdatasync are no-ops (no host disk cache flush)",
     "odirect": "open/openat/fcntl(F_SETFL) without O_DIRECT",
     "sigpending": "RLIMIT_SIGPENDING 0 (no queued real-time signals)",
 }

@@ -260,6 +260,14 @@ class ZygoteProcess:
             self.lease.close()  # the child's copy: the lock stays held through the parent's and the launcher's
 
 
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+
+
 def _read_line(fd: int, deadline: float) -> bytes:
     """Blocking-with-deadline read of one line from a pipe (used only for the hello)."""
     buffer = b""
@@ -485,8 +493,9 @@ class ZygotePool:
                 waits = [lane.head_started + budget - now for lane in lanes if lane.inflight]
                 for key, mask in sel.select(max(0.0, min(waits + [1.0]))):
                     lane = key.data
-                    if lane is None:  # close() from another thread
-                        raise VerifierClosedError("the verifier was closed while this batch ran")
+                    if lane is None:  # close() from another thread (checked at the top of the loop)
+                        _drain(self._wake_r)
+                        continue
                     if mask & selectors.EVENT_WRITE:
                         self._flush(lane)
                         self._want_write(sel, lane)
