@@ -4,7 +4,8 @@ Threat model as in test_verifier_kernel.py: the audit hook is OFF (the candidate
 candidates make raw system calls through ctypes. Every case is a candidate `f` that returns x + 1 only if its attack
 works ("passed" = the attack worked), judged from outside the sandbox: channels are a sender and a receiver, and
 only the receiver's verdict says whether it observed the sender; disk-flush cases are judged by this process
-reading the host's /proc/diskstats.
+reading the host's /proc/diskstats (flushes, sectors read); page-cache cases evict a file from outside and count
+as working only if the receiver sees it warm after the sender and not when it runs alone.
 
 Every case runs twice or more: with every defence on (the attack must fail) and with the defence that closes it
 switched off through the test-only switch GLM_VERIFIER_UNSAFE_DEFENCES_OFF (the attack must then work, so each test
@@ -72,8 +73,8 @@ class Case:
     without: list[tuple[str, bool]] = field(default_factory=list)
     workers: int = 2
     memory_mb: int = 256
-    flushes: bool = False  # judged by the host's disk flush count instead of the receiver's verdict
-    cold: bool = False  # needs COLD evicted from the page cache before the sender runs
+    disk: str | None = None  # "flushes" / "reads": judged by the host's disk counters, not by a verdict
+    cold: bool = False  # COLD evicted before; works iff the receiver sees it warm after the sender, not before
     open_reason: str | None = None  # set: not closed here; xfail(strict) with this reason
 
 
@@ -183,7 +184,7 @@ CASES = [
                 "        data = fh.read(16 * 8)\n"
                 "    present = [int.from_bytes(data[i:i + 8], 'little') >> 63 for i in range(8, 128, 8)]\n"
                 "    return sum(present) >= 4\n"),
-         [("prctl", True)], workers=1, cold=True),
+         [("prctl", False), ("prctl,resident_root", True)], workers=1, cold=True),
     Case("residency_through_fault_around_in_smaps", 6, "sequential",
          attack("def _attack():\n    fd = os.open(PROBE.rsplit('/', 2)[0] + '/turtle.py', os.O_RDONLY)\n"
                 "    os.pread(fd, 1 << 20, 0)\n    return False\n"),
@@ -193,24 +194,23 @@ CASES = [
                 "    for line in open('/proc/self/smaps'):\n        if '-' in line.split()[0]:\n"
                 "            inside = line.startswith(start)\n        elif inside and line.startswith('Rss:'):\n"
                 "            rss = int(line.split()[1])\n    return rss >= 5 * 4\n"),
-         [], workers=1, cold=True,
-         open_reason="fault-around maps already-cached neighbours of a faulting page and the process's own "
-                     "smaps/statm/minflt counters show how many: closing it needs private copies of every shared "
-                     "file (not shipped: memory per server), see docs/verifier.md"),
+         [("resident_root", True)], workers=1, cold=True),
     # 7. host disk effects from read-only descriptors -----------------------------------------------------------
     Case("fsync_storm_on_a_read_only_host_file", 7, "single", None,
          attack("def _attack():\n    fd = os.open(PROBE, os.O_RDONLY)\n    end = time.monotonic() + 1.5\n"
                 "    while time.monotonic() < end:\n        sc(74, fd)\n        sc(75, fd)\n    return False\n"),
-         [("sync", True)], flushes=True),
-    Case("o_direct_read_of_a_host_file", 7, "single", None,
+         [("sync", False), ("sync,resident_root", True)], disk="flushes"),
+    Case("o_direct_reads_of_a_host_file", 7, "single", None,
          attack("def _attack():\n    fd = sc(257, -100, PROBE.encode(), 0o40000)\n    if fd < 0:\n        return False\n"
-                "    buf = libc.mmap(None, 1 << 20, 3, 0x22, -1, 0)\n    return sc(17, fd, buf, 1 << 20, 0) > 0\n"),
-         [("odirect", True)]),
+                "    buf = libc.mmap(None, 1 << 20, 3, 0x22, -1, 0)\n    end = time.monotonic() + 1.0\n"
+                "    while time.monotonic() < end:\n        sc(17, fd, buf, 1 << 20, 0)\n    return False\n"),
+         [("odirect", False), ("odirect,resident_root", True)], disk="reads"),
     Case("o_direct_switched_on_with_fcntl", 7, "single", None,
          attack("def _attack():\n    fd = os.open(PROBE, os.O_RDONLY)\n"
-                "    if sc(72, fd, 4, 0o40000) != 0 or not sc(72, fd, 3, 0) & 0o40000:\n        return False\n"
-                "    buf = libc.mmap(None, 1 << 20, 3, 0x22, -1, 0)\n    return sc(17, fd, buf, 1 << 20, 0) > 0\n"),
-         [("odirect", True)]),
+                "    if sc(72, fd, 4, 0o40000) != 0:\n        return False\n"
+                "    buf = libc.mmap(None, 1 << 20, 3, 0x22, -1, 0)\n    end = time.monotonic() + 1.0\n"
+                "    while time.monotonic() < end:\n        sc(17, fd, buf, 1 << 20, 0)\n    return False\n"),
+         [("odirect", False), ("odirect,resident_root", True)], disk="reads"),
 ]
 assert {c.category for c in CASES} >= set(range(1, 8))
 assert all(sum(c.category == k for c in CASES) >= 2 for k in range(1, 8))
@@ -220,13 +220,16 @@ assert {name for c in CASES for off, _ in c.without for name in off.split(",")} 
 # --------------------------------------------------------------------------------------------------------------
 # Judging from outside
 # --------------------------------------------------------------------------------------------------------------
-def host_flushes() -> int:
-    """Completed flush requests of every whole disk (the 16th counter after the name in /proc/diskstats, Linux 5.5+)."""
+DISKSTATS_FIELD = {"reads": 5, "flushes": 18}  # sectors read; flush requests completed (Linux 5.5+)
+
+
+def host_disk(what: str) -> int:
+    """A counter of /proc/diskstats summed over whole disks (not loop/ram devices or partitions)."""
     total = 0
     for line in Path("/proc/diskstats").read_text().splitlines():
         fields = line.split()
         if len(fields) >= 20 and not fields[2].startswith(("loop", "ram")) and not fields[2][-1].isdigit():
-            total += int(fields[18])
+            total += int(fields[DISKSTATS_FIELD[what]])
     return total
 
 
@@ -288,9 +291,12 @@ def _close_verifiers():
 
 def attack_worked(case: Case, v: Verifier) -> tuple[bool, list[str]]:
     """Run the case once; True if the receiver observed the sender (or the single attack had its effect)."""
-    if case.cold:
+    alone = False
+    if case.cold:  # control: the receiver alone, on the cold file, must not see it warm
         evict(COLD)
-    flushes = host_flushes()
+        alone = v.check(case.receiver, "f", T).passed
+        evict(COLD)
+    disk = host_disk(case.disk) if case.disk else 0
     if case.mode == "concurrent":
         verdicts = v.check_many([(case.sender, "f", T)] * 2 + [(case.receiver, "f", T)] * 2)
         assert not any(x.passed for x in verdicts[:2]), "a sender passed"
@@ -303,10 +309,13 @@ def attack_worked(case: Case, v: Verifier) -> tuple[bool, list[str]]:
         verdicts = [v.check(case.receiver, "f", T)]
         seen = verdicts[0].passed
     details = [f"{x.status}: {x.detail}" for x in verdicts]
-    if case.flushes:  # ~500 flushes/s on this VM's disk when it works; an idle host: none in a second
-        delta = host_flushes() - flushes
-        details.append(f"host disk flushes during the case: {delta}")
-        seen = delta >= 150
+    if case.cold:
+        details.append(f"receiver alone on the cold file passed: {alone}")
+        seen = seen and not alone
+    if case.disk:  # when it works: ~240 flushes/s, or hundreds of MiB/s read, on this VM's disk; idle: ~0
+        delta = host_disk(case.disk) - disk
+        details.append(f"host disk {case.disk} during the case: {delta}")
+        seen = delta >= (150 if case.disk == "flushes" else 64 * MIB // 512)
     assert stray_processes() == []
     assert v.check(*LEGIT).passed, "a legitimate candidate failed after the case"
     return seen, details
@@ -333,10 +342,3 @@ def test_channel(case: Case, off: str, works: bool) -> None:
     assert seen is works, details
 
 
-def test_fault_around_channel_exists_without_any_sender_control() -> None:
-    """Control for the open residency case: on a cold file its receiver alone sees nothing (so a pass there is the
-    sender's doing, not the receiver's own read)."""
-    case = next(c for c in CASES if c.name == "residency_through_fault_around_in_smaps")
-    v = verifier_for("", 1, 256)
-    evict(COLD)
-    assert not v.check(case.receiver, "f", T).passed

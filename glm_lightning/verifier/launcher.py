@@ -109,8 +109,9 @@ def create_namespaces(as_root: bool) -> dict[str, bool]:
     return done
 
 
-def _bind(source: str, target: str) -> None:
-    """Read-only bind mount of one host path (file or directory) at `target` (created first)."""
+def _bind(source: str, target: str, executable: bool = False) -> None:
+    """Read-only bind mount of one host path (file or directory) at `target` (created first). `executable`: try to
+    drop the source mount's noexec (the resident copy may live on a noexec /dev/shm; real root may do that)."""
     if os.path.isdir(source):
         os.makedirs(target, 0o755, exist_ok=True)
     else:
@@ -119,8 +120,14 @@ def _bind(source: str, target: str) -> None:
     mount(source, target, None, MS_BIND, None)
     present = os.statvfs(target).f_flag  # keep the source mount's nodev/noexec (a user namespace may not drop them)
     flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
-    flags |= (MS_NODEV if present & os.ST_NODEV else 0) | (MS_NOEXEC if present & os.ST_NOEXEC else 0)
-    mount(None, target, None, flags, None)
+    flags |= (MS_NODEV if present & os.ST_NODEV else 0)
+    if executable:
+        try:
+            mount(None, target, None, flags, None)
+            return
+        except OSError:
+            pass
+    mount(None, target, None, flags | (MS_NOEXEC if present & os.ST_NOEXEC else 0), None)
 
 
 def _write_accounts(etc: str, uids: list[int], gid: int) -> None:
@@ -141,7 +148,8 @@ def pivot_to_private_root(report: dict[str, Any], config: dict[str, Any] | None 
     Returns the zygote script's path inside the new root."""
     python = os.path.realpath(sys.executable)
     lib = os.path.realpath(os.path.join(sys.base_prefix, "lib"))
-    sources = [python, lib] + [p for p in SYSTEM_PATHS if os.path.lexists(p)]
+    resident = (config or {}).get("resident_root")  # residentroot.py: private tmpfs copies instead of host binds
+    sources = [python, lib] + [p for p in SYSTEM_PATHS if os.path.lexists(p)] + ([resident] if resident else [])
     base = next((d for d in ROOT_CANDIDATES if os.path.isdir(d) and not os.path.islink(d)
                  and not any(p == d or p.startswith(d + "/") for p in sources)), None)
     if base is None:
@@ -153,13 +161,23 @@ def pivot_to_private_root(report: dict[str, Any], config: dict[str, Any] | None 
             if os.path.islink(path):  # merged /usr: /lib -> usr/lib
                 os.makedirs(base + os.path.dirname(path), 0o755, exist_ok=True)
                 os.symlink(os.readlink(path), base + path)
-            elif os.path.exists(path) and not os.path.exists(base + path):
+            elif resident is None and os.path.exists(path) and not os.path.exists(base + path):
                 _bind(path, base + path)
-        _bind(lib, base + lib)
-        site = os.path.join(lib, f"python{sys.version_info[0]}.{sys.version_info[1]}", "site-packages")
-        if os.path.isdir(site):  # installed packages are not part of what candidates may use
-            mount("tmpfs", base + site, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0755")
-        _bind(python, base + python)
+        if resident is not None:  # the copy mirrors absolute paths: bind its top-level directories
+            for entry in sorted(os.listdir(resident)):
+                if entry == "etc":
+                    for name in os.listdir(os.path.join(resident, entry)):
+                        _bind(os.path.join(resident, entry, name), base + "/etc/" + name)
+                else:
+                    _bind(os.path.join(resident, entry), base + "/" + entry, executable=True)
+            report["resident_root"] = True
+        else:
+            _bind(lib, base + lib)
+            site = os.path.join(lib, f"python{sys.version_info[0]}.{sys.version_info[1]}", "site-packages")
+            if os.path.isdir(site):  # installed packages are not part of what candidates may use
+                mount("tmpfs", base + site, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY,
+                      "size=4k,mode=0755")
+            _bind(python, base + python)
         for name in DEVICES:
             _bind("/dev/" + name, base + "/dev/" + name)
         os.symlink("/proc/self/fd", base + "/dev/fd")
@@ -300,7 +318,7 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
     """In the forked child (PID 1 of the new PID namespace, if any): finish the isolation, then exec."""
     report: dict[str, Any] = {"namespaces": spaces, "errors": [], "private_proc": False, "private_tmpfs": [],
                               "ipc_limits": [], "memfd_noexec": False, "readonly_remounts": 0, "private_root": None,
-                              "seccomp": None, "proc_view": None}
+                              "seccomp": None, "proc_view": None, "resident_root": False}
     script = ZYGOTE_SCRIPT
     python = os.path.realpath(sys.executable)  # resolved on the host, before any pivot
     try:
@@ -329,6 +347,11 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
 
 def main() -> None:
     config = json.loads(sys.argv[1])
+    if config.get("seccomp", True):
+        try:
+            seccomp._library()  # before the pivot: libseccomp is not part of the private root
+        except OSError:
+            pass  # reported by install() later
     if config.get("lease_fd") is not None:  # the uid block's lease (uids.py): held by this waiting process only,
         os.set_inheritable(int(config["lease_fd"]), False)  # so it ends when the last process of the server is gone
     spaces = create_namespaces(os.geteuid() == 0) if config.get("isolate", True) else \

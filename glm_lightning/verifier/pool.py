@@ -17,6 +17,7 @@ servers of pools whose process died without closing them (SIGKILL of the trainer
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import marshal
@@ -34,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import cleanup, defences
+from . import cleanup, defences, residentroot
 from .judge import Reply
 from .uids import BLOCK_SIZE, UidLease
 
@@ -125,10 +126,43 @@ def _kill_stale_server(pgid: int) -> None:
         pass
 
 
+_RESIDENT: dict[int, str] = {}  # pid -> this process's resident copy (residentroot.py), shared by its pools
+_RESIDENT_LOCK = threading.Lock()
+
+
+def resident_root() -> str:
+    """This process's private copy of the interpreter, standard library and system libraries (built on first use,
+    kept for the process's lifetime: ~1 s and ~85 MB of tmpfs here). Lives in a `glm-verifier-<pid>-root-*` scratch
+    directory with an owner file, so reap_stale removes it once this process is gone; removed at exit."""
+    with _RESIDENT_LOCK:
+        path = _RESIDENT.get(os.getpid())
+        if path is not None and os.path.isdir(path):
+            return os.path.join(path, "tree")
+        path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-root-", dir=scratch_parent())
+        try:
+            residentroot.build(os.path.join(path, "tree"))
+            with open(os.path.join(path, "owner"), "w") as fh:
+                fh.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+        except BaseException:
+            cleanup.remove_tree(path)
+            raise
+        if not _RESIDENT:
+            atexit.register(_remove_resident)
+        _RESIDENT[os.getpid()] = path
+        return os.path.join(path, "tree")
+
+
+def _remove_resident() -> None:
+    path = _RESIDENT.pop(os.getpid(), None)
+    if path is not None:
+        cleanup.remove_tree(path)
+
+
 class ZygoteProcess:
     """One running sandbox server (launcher + zygote): its Popen handle, raw pipe fds and start-up report."""
 
-    def __init__(self, scratch: str, uid: int | None, gid: int | None, memory_mb: int, timeout_s: float) -> None:
+    def __init__(self, scratch: str, uid: int | None, gid: int | None, memory_mb: int, timeout_s: float,
+                 resident: str | None = None) -> None:
         self.scratch = scratch
         self.want_namespaces = os.environ.get("GLM_VERIFIER_NO_NAMESPACES") != "1"
         off = defences.switched_off()
@@ -138,6 +172,7 @@ class ZygoteProcess:
             uid = self.lease.first_uid
         self.config = {"uid": uid, "gid": gid, "scratch": scratch, "memory_mb": memory_mb, "timeout_s": timeout_s,
                        "defences_off": off,
+                       "resident_root": resident,
                        "uid_block": [uid, BLOCK_SIZE] if self.lease is not None else None,
                        "lease_fd": self.lease.fd if self.lease is not None else None,
                        "isolate": self.want_namespaces,
@@ -351,8 +386,13 @@ class ZygotePool:
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
         try:
+            resident = None
+            if "resident_root" not in defences.switched_off() and os.geteuid() == 0 and \
+                    os.environ.get("GLM_VERIFIER_NO_NAMESPACES") != "1" and \
+                    os.environ.get("GLM_VERIFIER_UNSAFE_NO_PRIVATE_ROOT") != "1":
+                resident = resident_root()
             for _ in range(workers):
-                zygote = ZygoteProcess(self.scratch, self.uid, self.gid, memory_mb, timeout_s)
+                zygote = ZygoteProcess(self.scratch, self.uid, self.gid, memory_mb, timeout_s, resident)
                 try:
                     zygote.start()
                 except BaseException:

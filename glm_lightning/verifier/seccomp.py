@@ -118,7 +118,14 @@ class _ArgCmp(ctypes.Structure):
                 ("datum_b", ctypes.c_uint64)]
 
 
+_LOADED: list[Any] = []
+
+
 def _library() -> Any:
+    """libseccomp through ctypes; loaded once (the launcher calls this before pivoting into the private root,
+    whose resident copy holds only what the interpreter and its extension modules link against)."""
+    if _LOADED:
+        return _LOADED[0]
     name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
     lib = ctypes.CDLL(name, use_errno=True)
     lib.seccomp_init.restype = ctypes.c_void_p
@@ -129,6 +136,7 @@ def _library() -> Any:
     lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
     lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    _LOADED.append(lib)
     return lib
 
 

@@ -25,7 +25,8 @@ UNSAFE_TEST_SWITCHES = ("GLM_VERIFIER_UNSAFE_NO_AUDIT_HOOK", "GLM_VERIFIER_UNSAF
 # The protections docs/verifier.md promises (keys of `protections`); any of them missing makes the sandbox weaker.
 PROMISED = ("mount_namespace", "private_root", "host_sources_hidden", "private_tmpfs", "pid_namespace",
             "private_proc", "ipc_namespace", "sysv_ipc_disabled", "network_namespace", "seccomp", "locks_refused",
-            "unprivileged_uid", "nproc_enforced", "memfd_noexec", "audit_hook", "proc_view", "passwd_entry")
+            "unprivileged_uid", "nproc_enforced", "memfd_noexec", "audit_hook", "proc_view", "passwd_entry",
+            "resident_root")
 PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm", "/tmp/.glm-work")
 log = logging.getLogger("glm_lightning.verifier")
 
@@ -139,6 +140,7 @@ class Verifier:
             "passwd_entry": probe.get("passwd_name"),
             "proc_view": bool(sandbox.get("proc_view")) and probe.get("meminfo_total_kb") == self.memory_mb * 1024,
             "defences_off": list(zygote.config.get("defences_off", [])),
+            "resident_root": bool(sandbox.get("resident_root")),
             "nproc_enforced": bool(probe.get("fork_blocked")),
             "outside_write_blocked": bool(probe.get("outside_write_blocked")),
             "audit_hook": bool(zygote.config.get("audit_hook", True)),
