@@ -172,6 +172,21 @@ CASES = [
                 "def _attack():\n    base = _shared()\n    if base is None:\n        return False\n"
                 "    return poll_for(lambda: abs((_shared() or base) - base) >= 10 << 20, 2.0)\n"),
          [("proc_view", True)]),
+    Case("pipe_inode_numbers_from_the_host_wide_counter", 5, "concurrent",
+         attack("def _attack():\n    end = time.monotonic() + 1.5\n    while time.monotonic() < end:\n"
+                "        r, w = os.pipe()\n        os.close(r); os.close(w)\n    return False\n"),
+         attack("def _ino():\n    r, w = os.pipe()\n    ino = os.fstat(r).st_ino\n    os.close(r); os.close(w)\n"
+                "    return ino\n"
+                "def _gap():\n    last, gap = None, 0\n    for _ in range(1100):\n        ino = _ino()\n"
+                "        if last is not None:\n            gap = max(gap, ino - last - 1)\n        last = ino\n"
+                "    return gap\n"
+                "def _seen():\n    a = _ino()\n    gap = _gap()\n    time.sleep(0.01)\n"
+                "    return gap > 4096 or _ino() - a - 1101 > 2000\n"
+                "def _attack():\n    _gap()\n    return poll_for(_seen, 1.5)\n"),
+         [], open_reason="pipes and sockets take their inode numbers from one host-wide counter (get_next_ino, "
+                         "batches of 1024 per CPU); creating them moves it and fstat reads it. Honest code needs "
+                         "socketpair (asyncio), seccomp cannot hide st_ino, and Linux has no per-namespace "
+                         "pseudo-inode numbers: open, see docs/verifier.md"),
     # 6. page-cache residency of shared files without mincore ---------------------------------------------------
     Case("residency_through_pagemap_after_prctl_dumpable", 6, "sequential",
          attack("def _attack():\n    fd = os.open(PROBE.rsplit('/', 2)[0] + '/turtle.py', os.O_RDONLY)\n"
