@@ -449,6 +449,17 @@ HONEST = {
                 "    return x + 1 if offset == datetime.timedelta(hours=1) else x\n",
     "mimetypes": "import mimetypes\ndef f(x):\n"
                  "    return x + 1 if mimetypes.guess_type('a.html')[0] == 'text/html' else x\n",
+    # issue 46: honest uses of what the argument-checked rules, the uid per job and the /proc view changed
+    "os_preadv": "import os, tempfile\ndef f(x):\n    with tempfile.TemporaryFile() as fh:\n        fh.write(b'hello')\n"
+                 "        fh.flush()\n        buf = bytearray(5)\n        n = os.preadv(fh.fileno(), [buf], 0)\n"
+                 "    return x + 1 if (n, bytes(buf)) == (5, b'hello') else x\n",
+    "getpass_getuser": "import getpass, pwd, os\ndef f(x):\n    name = getpass.getuser()\n"
+                       "    return x + 1 if name and pwd.getpwuid(os.getuid()).pw_name == name else x\n",
+    "fsync_own_file": "import os, tempfile\ndef f(x):\n    with tempfile.NamedTemporaryFile() as fh:\n"
+                      "        fh.write(b'data')\n        fh.flush()\n        os.fsync(fh.fileno())\n"
+                      "        os.fdatasync(fh.fileno())\n    return x + 1\n",
+    "meminfo_and_cpu_count": "import os\ndef f(x):\n    total = int(open('/proc/meminfo').read().split()[1])\n"
+                             "    return x + 1 if total > 0 and (os.cpu_count() or 0) >= 1 else x\n",
     "dataclass_enum_namedtuple": "import dataclasses, enum, collections, typing\n"
                                  "@dataclasses.dataclass\nclass P:\n    v: int\nclass C(enum.Enum):\n    A = 1\n"
                                  "N = collections.namedtuple('N', 'v')\nT = typing.TypeVar('T')\n"

@@ -68,7 +68,7 @@ def _copy_file(path: str, dest: str) -> None:
     target = dest + real
     if not os.path.exists(target):
         os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
-        shutil.copyfile(real, target)
+        shutil.copy2(real, target)  # keeps the mtime: the .pyc files stay valid (no recompiling on import)
         os.chmod(target, 0o755 if os.stat(real).st_mode & 0o111 else 0o644)
     alias = dest + os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
     if alias != target and not os.path.lexists(alias):
