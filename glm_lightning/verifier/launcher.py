@@ -186,8 +186,10 @@ def pivot_to_private_root(report: dict[str, Any], config: dict[str, Any] | None 
         if config and config.get("uid_block"):
             first, count = (int(x) for x in config["uid_block"])
             _write_accounts(base + "/etc", list(range(first, first + count)), int(config.get("gid") or 65534))
-        elif config and config.get("uid") is not None:
-            _write_accounts(base + "/etc", [int(config["uid"])], int(config.get("gid") or 65534))
+        else:  # no uid pool: the fixed sandbox uid, or (without root) the caller's own uid in its user namespace
+            uid = (config or {}).get("uid")
+            _write_accounts(base + "/etc", [os.getuid() if uid is None else int(uid)],
+                            int((config or {}).get("gid") or os.getgid()))
         os.chmod(base + "/tmp", 0o1777)
         scripts = base + ROOT_SCRIPT_DIR
         os.makedirs(scripts, 0o755)
