@@ -127,12 +127,16 @@ CASES = [
          attack("def _attack():\n    try:\n        for i in range(16):\n"
                 "            with open(f'fill{i}', 'wb') as fh:\n                fh.write(b'y' * (1 << 20))\n"
                 "    except OSError as exc:\n        return exc.errno == 28\n    return False\n"),
-         [("sendmsg", True)], workers=1),
+         [("sendmsg", False), ("sendmsg,fresh_tmpfs", True)], workers=1),
     Case("socket_cycle_visible_to_next_job", 3, "sequential",
          attack(SCM + "def _attack():\n    a, b = socket.socketpair()\n    send_fds(a, [a.fileno(), b.fileno()])\n"
                 "    return False\n"),
          attack("def _attack():\n    return len(open('/proc/net/unix').read().splitlines()) > 1\n"),
          [("sendmsg", True)], workers=1),
+    Case("tmpfs_inode_counter_seen_by_next_job", 3, "sequential",
+         attack("def _attack():\n    for i in range(300):\n        open(f'n{i}', 'w').close()\n    return False\n"),
+         attack("def _attack():\n    return os.stat('.').st_ino >= 300\n"),  # the zygote made it just before
+         [("fresh_tmpfs", True)], workers=1),
     # 4. kernel memory outside every cap ------------------------------------------------------------------------
     Case("stream_socket_buffers_beyond_the_memory_cap", 4, "single", None,
          attack("import socket\n" + FILL + "def _attack():\n    held, keep = 0, []\n    for _ in range(28):\n"

@@ -22,6 +22,8 @@ DEFENCES = {
     "sync": "fsync/fdatasync are no-ops (no host disk cache flush)",
     "odirect": "open/openat/fcntl(F_SETFL) without O_DIRECT",
     "sigpending": "RLIMIT_SIGPENDING 0 (no queued real-time signals)",
+    "fresh_tmpfs": "new tmpfs instances for every job (no inode counter, free space or held file shared with the "
+                   "next job)",
     "resident_root": "private always-resident tmpfs copies of the interpreter, stdlib and system libraries "
                      "(no shared inode or page cache)",
 }

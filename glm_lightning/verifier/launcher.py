@@ -34,6 +34,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # -I keeps the script's directory off sys.path
+import freshtmp  # noqa: E402
 import procview  # noqa: E402
 import seccomp  # noqa: E402
 
@@ -338,6 +339,11 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
         config["scratch"] = WORK_DIR  # the host scratch directory is not used at all
     os.chdir("/")
     config["stage_fds"] = _staging_pipe(int(config.get("max_result_bytes", 1 << 20)))
+    fresh = config.pop("fresh_tmpfs_fds", None)
+    if fresh and WORK_DIR in report["private_tmpfs"] and "fresh_tmpfs" not in config.get("defences_off", ()):
+        for fd in fresh:
+            os.set_inheritable(fd, True)
+        config["fresh_tmpfs_fds"] = fresh  # the zygote asks the waiting launcher for new tmpfs after each job
     if config.get("seccomp", True):  # last: from here on only what the allowlist permits (execve included)
         try:
             report["seccomp"] = seccomp.install(frozenset(config.get("defences_off", ())))
@@ -359,12 +365,19 @@ def main() -> None:
     spaces = create_namespaces(os.geteuid() == 0) if config.get("isolate", True) else \
         {"user": False, "mount": False, "ipc": False, "net": False, "pid": False}
     parent = os.getpid()
+    requests_r, requests_w = os.pipe()  # zygote -> launcher: "give this job fresh tmpfs" (freshtmp.py)
+    replies_r, replies_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
+            os.close(requests_r)
+            os.close(replies_w)
+            config["fresh_tmpfs_fds"] = [requests_w, replies_r] if spaces["mount"] else None
             _become_zygote(config, spaces, parent)
         finally:
             os._exit(71)
+    os.close(requests_w)
+    os.close(replies_r)
 
     def _stop(_signum: int, _frame: Any) -> None:
         try:
@@ -374,13 +387,16 @@ def main() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _stop)
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
+
+    def _fresh(paths: list[str]) -> bool:
+        return freshtmp.remount(mount, _umount_detached, paths, TMPFS, WORK_DIR)
+
+    status = freshtmp.serve(pid, requests_r, replies_w, _fresh)
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _umount_detached(path: str) -> None:
+    _check(_libc.umount2(path.encode(), ctypes.c_int(MNT_DETACH)), f"umount {path}")
 
 
 if __name__ == "__main__":

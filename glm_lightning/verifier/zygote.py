@@ -52,6 +52,7 @@ DEFAULT_MAX_RESULT_BYTES = 1 << 20
 PROBE_TIMEOUT_S = 5.0
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 REAP_WAIT_S = 1.0
+FRESH_TMPFS_WAIT_S = 5.0
 
 
 class Zygote:
@@ -78,6 +79,12 @@ class Zygote:
         block = config.get("uid_block")
         self.uid_block = (int(block[0]), int(block[1])) if block else None
         self.sandbox_uids = range(block[0], block[0] + block[1]) if block else range(0)
+        # issue 46: fresh tmpfs per job from the launcher (freshtmp.py); None: empty the directories instead
+        fresh = config.get("fresh_tmpfs_fds")
+        self.fresh = (int(fresh[0]), int(fresh[1])) if fresh else None
+        self.fresh_paths = [p for p in private if p in (*SHARED_TMP, self.scratch)]
+        for fd in self.fresh or ():
+            os.set_inheritable(fd, False)
         wanted = int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES))
         if config.get("stage_fds"):  # created and sized by the launcher before the seccomp filter existed
             self.stage_r, self.stage_w = (int(fd) for fd in config["stage_fds"])
@@ -109,6 +116,8 @@ class Zygote:
     def _cleanup(self, workdir: str, started: float) -> bool:
         """Remove everything the candidate could have left: processes, its directory, the shared temp dirs."""
         self._kill_everything()
+        if self.fresh is not None:  # new tmpfs instances: nothing of this job's superblocks reaches the next job
+            return self._fresh_tmpfs()
         ok = cleanup.remove_tree(workdir)
         for path in self.wipe_dirs:
             if self._stamp(path) == self.clean_stamp.get(path):
@@ -119,6 +128,17 @@ class Zygote:
         for path in self.sweep_dirs:  # no private tmpfs: remove what the sandbox uids created during this run
             ok = _sweep_owned(path, self.config["uid"], self.sandbox_uids) and ok
         return ok
+
+    def _fresh_tmpfs(self) -> bool:
+        """Ask the launcher (outside the seccomp filter) to replace every private tmpfs; False if it could not."""
+        assert self.fresh is not None
+        request, reply = self.fresh
+        try:
+            _write_all(request, json.dumps(self.fresh_paths).encode() + b"\n")
+            ready = select.select([reply], [], [], FRESH_TMPFS_WAIT_S)[0]
+            return bool(ready) and os.read(reply, 1) == b"1"
+        except OSError:
+            return False
 
     @staticmethod
     def _stamp(path: str) -> tuple[int, int] | None:
@@ -152,7 +172,7 @@ class Zygote:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for fd in (ctl_r, res_r, self.stage_r, self.stage_w, self.wake_r, self.wake_w):
+                for fd in (ctl_r, res_r, self.stage_r, self.stage_w, self.wake_r, self.wake_w, *(self.fresh or ())):
                     os.close(fd)
                 child.run_candidate(ctl_w, res_w, workdir, self.config, t_fork)
             finally:
@@ -295,6 +315,8 @@ class Zygote:
         if pid == 0:
             try:
                 os.close(read_fd)
+                for fd in self.fresh or ():
+                    os.close(fd)
                 child.probe(write_fd, workdir, dict(self.config, timeout_s=PROBE_TIMEOUT_S))
             finally:
                 os._exit(child.EXIT_INTERNAL_ERROR)
