@@ -13,8 +13,8 @@ and confinement setup (reading its job, uid drop, rlimits, audit hook), run (can
 namespaces, tmpfs mounts, zygote, self test) amortised over the batch, and the CPU time per verdict. Every check_many
 forks one child per job, and that child reads only its own job.
 
-Then the per-verdict cost of the kernel layer (seccomp allowlist + private root): the same batch with it on and
-off (test-only switches), alternated in one sitting.
+Then the per-verdict cost of the kernel layer (seccomp allowlist + private root) and of the issue-46 defences: the
+same batch with them on and off (test-only switches), alternated in one sitting.
 
     python -m benchmarks.bench_verifier            # full run (~1 minute)
     python -c "from benchmarks.bench_verifier import run; run(quick=True)"
@@ -137,18 +137,32 @@ def bench_kernel_layer(n_batch: int, rounds: int = 3, workers: int = WORKERS) ->
     """Per-verdict cost of the issue-30 layer (seccomp allowlist + private root), alternating on/off in one sitting:
     each round runs the same batch with the layer on and off (test-only switches), and the best of the rounds is
     kept for each (the machine is shared: the fastest run is the least disturbed)."""
+    return _alternate({name: "1" for name in LAYER_SWITCHES}, n_batch, rounds, workers)
+
+
+def bench_issue46(n_batch: int, rounds: int = 3, workers: int = WORKERS) -> dict[str, Any]:
+    """Per-verdict cost of the issue-46 defences (argument-checked seccomp rules, a uid per job, the /proc view,
+    the resident private root), all switched off together through the test-only switch, alternated in one sitting
+    like bench_kernel_layer."""
+    from glm_lightning.verifier.defences import DEFENCES, ENV
+
+    return _alternate({ENV: ",".join(DEFENCES)}, n_batch, rounds, workers)
+
+
+def _alternate(off_env: dict[str, str], n_batch: int, rounds: int, workers: int) -> dict[str, Any]:
+    """Best of `rounds` batches with `off_env` unset ("on") and set ("off"), alternated."""
     import logging
 
     quiet = logging.getLogger("glm_lightning.verifier")
     quiet.setLevel(logging.ERROR)  # "off" is a weaker sandbox on purpose: no warning per round
     best: dict[str, Any] = {}
-    saved = {name: os.environ.get(name) for name in LAYER_SWITCHES}
+    saved = {name: os.environ.get(name) for name in off_env}
     try:
         for _ in range(rounds):
             for mode in ("on", "off"):
-                for name in LAYER_SWITCHES:
+                for name, value in off_env.items():
                     if mode == "off":
-                        os.environ[name] = "1"
+                        os.environ[name] = value
                     else:
                         os.environ.pop(name, None)
                 got = bench_verifier(0, n_batch, workers)
@@ -183,6 +197,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     wide = bench_verifier(0, n_batch, workers=2 * WORKERS)
     results[f"check_many_x{2 * WORKERS}"] = wide["check_many"]
     results["kernel_layer"] = bench_kernel_layer(n_batch // 2)
+    results["issue46_defences"] = bench_issue46(n_batch // 2)
     results["ratio_batched_over_baseline"] = results["check_many"]["verdicts_per_s"] / \
         results["baseline"]["verdicts_per_s"]
     results["protections"] = {k: v for k, v in main["protections"].items()
@@ -220,6 +235,12 @@ def _print(r: dict[str, Any]) -> None:
     print(f"kernel layer (seccomp allowlist + private root), best of alternating runs, check_many: on "
           f"{k['on']['verdicts_per_s']:.0f}/s ({k['on']['cpu_ms']:.2f} ms CPU), off {k['off']['verdicts_per_s']:.0f}/s "
           f"({k['off']['cpu_ms']:.2f} ms CPU): {k['cost_ms_per_verdict']['wall']:+.2f} ms wall, "
+          f"{k['cost_ms_per_verdict']['cpu']:+.2f} ms CPU per verdict; server start {k['on']['server_start_ms']:.0f} "
+          f"vs {k['off']['server_start_ms']:.0f} ms")
+    k = r["issue46_defences"]
+    print(f"issue-46 defences (argument checks, uid per job, /proc view, resident root), best of alternating runs: "
+          f"on {k['on']['verdicts_per_s']:.0f}/s ({k['on']['cpu_ms']:.2f} ms CPU), off {k['off']['verdicts_per_s']:.0f}"
+          f"/s ({k['off']['cpu_ms']:.2f} ms CPU): {k['cost_ms_per_verdict']['wall']:+.2f} ms wall, "
           f"{k['cost_ms_per_verdict']['cpu']:+.2f} ms CPU per verdict; server start {k['on']['server_start_ms']:.0f} "
           f"vs {k['off']['server_start_ms']:.0f} ms")
     print(f"protections: {r['protections']}")

@@ -7,7 +7,14 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-SANDBOX_UID = 65534
+from glm_lightning.verifier.uids import is_pool_uid
+
+SANDBOX_UID = 65534  # nobody: the uid of every job when the uid pool is off (and of the fallback)
+
+
+def is_sandbox_uid(uid: int) -> bool:
+    """A uid candidates run as: nobody, or any uid of the verifier's leased blocks (one uid per job)."""
+    return uid == SANDBOX_UID or is_pool_uid(uid)
 
 
 def sandbox_files(places: Iterable[str], max_depth: int) -> set[str]:
@@ -26,7 +33,7 @@ def sandbox_files(places: Iterable[str], max_depth: int) -> set[str]:
                             info = entry.stat(follow_symlinks=False)
                         except OSError:
                             continue
-                        if info.st_uid == SANDBOX_UID:
+                        if is_sandbox_uid(info.st_uid):
                             found.add(entry.path)
                         elif entry.is_dir(follow_symlinks=False) and depth < max_depth and \
                                 not entry.name.startswith("glm-verifier-"):

@@ -307,8 +307,11 @@ def test_child_environment_is_minimal(verifier):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="uid drop only happens when the verifier runs as root")
 def test_child_runs_unprivileged(verifier):
-    verdict = verifier.check(fn("import os\nreturn (os.getuid(), os.geteuid(), os.getgroups())"), "f",
-                             [((0,), (65534, 65534, []))])
+    """Each job runs as its own uid from the server's leased block (issue 46), never root, with no groups."""
+    first, count = verifier.protections["per_job_uid"]
+    source = fn(f"import os\nu = os.getuid()\nreturn (u == os.geteuid() and {first} <= u < {first + count},"
+                " os.getgroups())")
+    verdict = verifier.check(source, "f", [((0,), (True, []))])
     assert verdict.status == "passed", verdict.detail
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from glm_lightning.verifier import Verifier, WeakerSandboxError
-from tests.sandbox_probes import SANDBOX_UID, sandbox_files, stray_processes, sysv_objects
+from tests.sandbox_probes import is_sandbox_uid, sandbox_files, stray_processes, sysv_objects
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/key-users").exists(),
                                 reason="raw syscall numbers below are x86_64; needs Linux keyrings")
@@ -290,11 +290,9 @@ assert len(SINGLE) + len(CHANNELS) >= 25 and len({n for n, *_ in SINGLE + CHANNE
 # Judging from outside the sandbox
 # --------------------------------------------------------------------------------------------------------------
 def sandbox_keys() -> str:
-    """The sandbox uid's line of /proc/key-users (key counts and quota use), '' when it owns no keys."""
-    for line in Path("/proc/key-users").read_text().splitlines():
-        if line.strip().startswith(f"{SANDBOX_UID}:"):
-            return line.strip()
-    return ""
+    """The sandbox uids' lines of /proc/key-users (key counts and quota use), '' when they own no keys."""
+    lines = [line.strip() for line in Path("/proc/key-users").read_text().splitlines()]
+    return "\n".join(line for line in lines if line.split(":")[0].isdigit() and is_sandbox_uid(int(line.split(":")[0])))
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -451,6 +449,17 @@ HONEST = {
                 "    return x + 1 if offset == datetime.timedelta(hours=1) else x\n",
     "mimetypes": "import mimetypes\ndef f(x):\n"
                  "    return x + 1 if mimetypes.guess_type('a.html')[0] == 'text/html' else x\n",
+    # issue 46: honest uses of what the argument-checked rules, the uid per job and the /proc view changed
+    "os_preadv": "import os, tempfile\ndef f(x):\n    with tempfile.TemporaryFile() as fh:\n        fh.write(b'hello')\n"
+                 "        fh.flush()\n        buf = bytearray(5)\n        n = os.preadv(fh.fileno(), [buf], 0)\n"
+                 "    return x + 1 if (n, bytes(buf)) == (5, b'hello') else x\n",
+    "getpass_getuser": "import getpass, pwd, os\ndef f(x):\n    name = getpass.getuser()\n"
+                       "    return x + 1 if name and pwd.getpwuid(os.getuid()).pw_name == name else x\n",
+    "fsync_own_file": "import os, tempfile\ndef f(x):\n    with tempfile.NamedTemporaryFile() as fh:\n"
+                      "        fh.write(b'data')\n        fh.flush()\n        os.fsync(fh.fileno())\n"
+                      "        os.fdatasync(fh.fileno())\n    return x + 1\n",
+    "meminfo_and_cpu_count": "import os\ndef f(x):\n    total = int(open('/proc/meminfo').read().split()[1])\n"
+                             "    return x + 1 if total > 0 and (os.cpu_count() or 0) >= 1 else x\n",
     "dataclass_enum_namedtuple": "import dataclasses, enum, collections, typing\n"
                                  "@dataclasses.dataclass\nclass P:\n    v: int\nclass C(enum.Enum):\n    A = 1\n"
                                  "N = collections.namedtuple('N', 'v')\nT = typing.TypeVar('T')\n"

@@ -135,7 +135,7 @@ def confine(result_fd: int, workdir: str, config: dict[str, Any]) -> tuple[int, 
     _setrlimit(resource.RLIMIT_CORE, 0)
     # No queued real-time signals: the count of pending signals is per uid, so a candidate filling it would be
     # visible to another one (a channel), and each costs kernel memory. Standard signals are unaffected.
-    _setrlimit(resource.RLIMIT_SIGPENDING, 0)
+    _setrlimit(resource.RLIMIT_SIGPENDING, 16 if "sigpending" in config.get("defences_off", ()) else 0)
     if uid is not None:
         os.setgroups([])
         os.setgid(int(config["gid"]))
@@ -375,6 +375,14 @@ def probe(result_fd: int, workdir: str, config: dict[str, Any]) -> NoReturn:
         hidden = config.get("hidden_probe")
         report["host_sources_hidden"] = bool(hidden) and not os.path.lexists(hidden)
         report["root_entries"] = sorted(os.listdir("/"))
+        try:
+            import pwd
+
+            report["passwd_name"] = pwd.getpwuid(os.getuid()).pw_name
+        except (KeyError, ImportError):
+            report["passwd_name"] = None
+        meminfo = (_read_all("/proc/meminfo") or "").split()
+        report["meminfo_total_kb"] = int(meminfo[1]) if meminfo[:1] == ["MemTotal:"] else None
         os.write(fd, json.dumps(report).encode() + b"\n")
     except BaseException as exc:  # report what went wrong instead of hanging the handshake
         try:

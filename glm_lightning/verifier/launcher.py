@@ -34,6 +34,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # -I keeps the script's directory off sys.path
+import freshtmp  # noqa: E402
+import procview  # noqa: E402
 import seccomp  # noqa: E402
 
 sys.path.remove(HERE)
@@ -41,6 +43,7 @@ ZYGOTE_SCRIPT = os.path.join(HERE, "zygote.py")
 # What the zygote needs of this directory; copied into the private root (the project itself is never visible there).
 SANDBOX_MODULES = ("zygote.py", "child.py", "cleanup.py", "guards.py", "protocol.py")
 ROOT_SCRIPT_DIR = "/verifier"
+PROC_STORE = "/verifier/proc"  # the synthetic /proc files (procview.py), in the private root's own tmpfs
 # Host paths the private root shows read-only besides the interpreter and its lib directory: shared libraries the
 # standard library's extension modules link against, the loader cache and the time zone database (zoneinfo).
 SYSTEM_PATHS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32", "/usr/share/zoneinfo",
@@ -107,8 +110,9 @@ def create_namespaces(as_root: bool) -> dict[str, bool]:
     return done
 
 
-def _bind(source: str, target: str) -> None:
-    """Read-only bind mount of one host path (file or directory) at `target` (created first)."""
+def _bind(source: str, target: str, executable: bool = False) -> None:
+    """Read-only bind mount of one host path (file or directory) at `target` (created first). `executable`: try to
+    drop the source mount's noexec (the resident copy may live on a noexec /dev/shm; real root may do that)."""
     if os.path.isdir(source):
         os.makedirs(target, 0o755, exist_ok=True)
     else:
@@ -117,18 +121,36 @@ def _bind(source: str, target: str) -> None:
     mount(source, target, None, MS_BIND, None)
     present = os.statvfs(target).f_flag  # keep the source mount's nodev/noexec (a user namespace may not drop them)
     flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID
-    flags |= (MS_NODEV if present & os.ST_NODEV else 0) | (MS_NOEXEC if present & os.ST_NOEXEC else 0)
-    mount(None, target, None, flags, None)
+    flags |= (MS_NODEV if present & os.ST_NODEV else 0)
+    if executable:
+        try:
+            mount(None, target, None, flags, None)
+            return
+        except OSError:
+            pass
+    mount(None, target, None, flags | (MS_NOEXEC if present & os.ST_NOEXEC else 0), None)
 
 
-def pivot_to_private_root(report: dict[str, Any]) -> str:
+def _write_accounts(etc: str, uids: list[int], gid: int) -> None:
+    """/etc/passwd and /etc/group of the private root: an entry for every uid a job of this server may run as, so
+    `getpass.getuser()` and `pwd.getpwuid(os.getuid())` work for honest code (glibc reads files when nsswitch.conf
+    is absent)."""
+    with open(os.path.join(etc, "passwd"), "w") as fh:
+        fh.write("root:x:0:0:root:/root:/usr/sbin/nologin\n")
+        fh.writelines(f"sandbox:x:{uid}:{gid}:verifier candidate:/tmp:/usr/sbin/nologin\n" for uid in uids)
+    with open(os.path.join(etc, "group"), "w") as fh:
+        fh.write(f"root:x:0:\nsandbox:x:{gid}:\n")
+
+
+def pivot_to_private_root(report: dict[str, Any], config: dict[str, Any] | None = None) -> str:
     """Assemble a root that holds only the interpreter, its standard library, system libraries, a few devices and
     copies of the sandbox scripts, and pivot into it. The host file system (this project's sources, e.g. the tasks'
     reference solutions, the caller's files, other users' files) is then unreachable from the zygote and every child.
     Returns the zygote script's path inside the new root."""
     python = os.path.realpath(sys.executable)
     lib = os.path.realpath(os.path.join(sys.base_prefix, "lib"))
-    sources = [python, lib] + [p for p in SYSTEM_PATHS if os.path.lexists(p)]
+    resident = (config or {}).get("resident_root")  # residentroot.py: private tmpfs copies instead of host binds
+    sources = [python, lib] + [p for p in SYSTEM_PATHS if os.path.lexists(p)] + ([resident] if resident else [])
     base = next((d for d in ROOT_CANDIDATES if os.path.isdir(d) and not os.path.islink(d)
                  and not any(p == d or p.startswith(d + "/") for p in sources)), None)
     if base is None:
@@ -140,18 +162,35 @@ def pivot_to_private_root(report: dict[str, Any]) -> str:
             if os.path.islink(path):  # merged /usr: /lib -> usr/lib
                 os.makedirs(base + os.path.dirname(path), 0o755, exist_ok=True)
                 os.symlink(os.readlink(path), base + path)
-            elif os.path.exists(path) and not os.path.exists(base + path):
+            elif resident is None and os.path.exists(path) and not os.path.exists(base + path):
                 _bind(path, base + path)
-        _bind(lib, base + lib)
-        site = os.path.join(lib, f"python{sys.version_info[0]}.{sys.version_info[1]}", "site-packages")
-        if os.path.isdir(site):  # installed packages are not part of what candidates may use
-            mount("tmpfs", base + site, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0755")
-        _bind(python, base + python)
+        if resident is not None:  # the copy mirrors absolute paths: bind its top-level directories
+            for entry in sorted(os.listdir(resident)):
+                if entry == "etc":
+                    for name in os.listdir(os.path.join(resident, entry)):
+                        _bind(os.path.join(resident, entry, name), base + "/etc/" + name)
+                else:
+                    _bind(os.path.join(resident, entry), base + "/" + entry, executable=True)
+            report["resident_root"] = True
+        else:
+            _bind(lib, base + lib)
+            site = os.path.join(lib, f"python{sys.version_info[0]}.{sys.version_info[1]}", "site-packages")
+            if os.path.isdir(site):  # installed packages are not part of what candidates may use
+                mount("tmpfs", base + site, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY,
+                      "size=4k,mode=0755")
+            _bind(python, base + python)
         for name in DEVICES:
             _bind("/dev/" + name, base + "/dev/" + name)
         os.symlink("/proc/self/fd", base + "/dev/fd")
         for path in ("/proc", "/tmp", "/var/tmp", "/dev/shm", "/etc"):
             os.makedirs(base + path, 0o755, exist_ok=True)
+        if config and config.get("uid_block"):
+            first, count = (int(x) for x in config["uid_block"])
+            _write_accounts(base + "/etc", list(range(first, first + count)), int(config.get("gid") or 65534))
+        else:  # no uid pool: the fixed sandbox uid, or (without root) the caller's own uid in its user namespace
+            uid = (config or {}).get("uid")
+            _write_accounts(base + "/etc", [os.getuid() if uid is None else int(uid)],
+                            int((config or {}).get("gid") or os.getgid()))
         os.chmod(base + "/tmp", 0o1777)
         scripts = base + ROOT_SCRIPT_DIR
         os.makedirs(scripts, 0o755)
@@ -180,7 +219,7 @@ def _mount_points() -> list[tuple[str, set[str]]]:
 
 
 def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: str, private_root: bool,
-                 python: str) -> str:
+                 python: str, config: dict[str, Any] | None = None) -> str:
     """A private root (with PID namespace), private tmpfs for every writable place, a fresh /proc, everything else
     read-only (in our namespace only). `python`: the interpreter's real path, resolved on the host before the pivot
     (inside the private root a virtual environment's path, e.g. /tmp/clone/.venv/bin/python, does not exist, so
@@ -190,7 +229,7 @@ def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: 
     script = ZYGOTE_SCRIPT
     if spaces["pid"] and private_root:  # a fresh /proc needs the PID namespace; so does hiding the host
         try:
-            script = pivot_to_private_root(report)
+            script = pivot_to_private_root(report, config)
         except (OSError, KeyError) as exc:
             report["errors"].append(f"private root: {exc}")
     if spaces["pid"]:
@@ -199,6 +238,15 @@ def setup_mounts(spaces: dict[str, bool], report: dict[str, Any], host_scratch: 
             report["private_proc"] = True
         except OSError as exc:
             report["errors"].append(str(exc))
+    off = set((config or {}).get("defences_off", ()))
+    if report["private_proc"] and report["private_root"] and "proc_view" not in off:
+        try:
+            with open("/proc/cpuinfo") as fh:
+                cpuinfo = fh.read()
+            report["proc_view"] = procview.install(mount, PROC_STORE, int((config or {}).get("memory_mb", 256)),
+                                                   os.cpu_count() or 1, cpuinfo)
+        except OSError as exc:
+            report["errors"].append(f"proc view: {exc}")
     private = []
     needed = [os.path.dirname(script) + "/", python]
     if any(p.startswith("/tmp/") for p in needed):  # no private /tmp, so no work tmpfs: keep the host scratch
@@ -273,7 +321,7 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
     """In the forked child (PID 1 of the new PID namespace, if any): finish the isolation, then exec."""
     report: dict[str, Any] = {"namespaces": spaces, "errors": [], "private_proc": False, "private_tmpfs": [],
                               "ipc_limits": [], "memfd_noexec": False, "readonly_remounts": 0, "private_root": None,
-                              "seccomp": None}
+                              "seccomp": None, "proc_view": None, "resident_root": False}
     script = ZYGOTE_SCRIPT
     python = os.path.realpath(sys.executable)  # resolved on the host, before any pivot
     try:
@@ -281,7 +329,8 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
         if os.getppid() not in (parent, 0):  # 0: the parent lives outside our new PID namespace
             os._exit(1)
         if spaces["mount"]:
-            script = setup_mounts(spaces, report, config["scratch"], bool(config.get("private_root", True)), python)
+            script = setup_mounts(spaces, report, config["scratch"], bool(config.get("private_root", True)), python,
+                                  config)
     except OSError as exc:
         report["errors"].append(str(exc))
         report["private_tmpfs"], report["private_proc"] = [], False
@@ -290,9 +339,14 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
         config["scratch"] = WORK_DIR  # the host scratch directory is not used at all
     os.chdir("/")
     config["stage_fds"] = _staging_pipe(int(config.get("max_result_bytes", 1 << 20)))
+    fresh = config.pop("fresh_tmpfs_fds", None)
+    if fresh and WORK_DIR in report["private_tmpfs"] and "fresh_tmpfs" not in config.get("defences_off", ()):
+        for fd in fresh:
+            os.set_inheritable(fd, True)
+        config["fresh_tmpfs_fds"] = fresh  # the zygote asks the waiting launcher for new tmpfs after each job
     if config.get("seccomp", True):  # last: from here on only what the allowlist permits (execve included)
         try:
-            report["seccomp"] = seccomp.install()
+            report["seccomp"] = seccomp.install(frozenset(config.get("defences_off", ())))
         except (OSError, AttributeError) as exc:
             report["errors"].append(f"seccomp: {exc}")
         config["sandbox"] = report
@@ -301,15 +355,29 @@ def _become_zygote(config: dict[str, Any], spaces: dict[str, bool], parent: int)
 
 def main() -> None:
     config = json.loads(sys.argv[1])
+    if config.get("seccomp", True):
+        try:
+            seccomp._library()  # before the pivot: libseccomp is not part of the private root
+        except OSError:
+            pass  # reported by install() later
+    if config.get("lease_fd") is not None:  # the uid block's lease (uids.py): held by this waiting process only,
+        os.set_inheritable(int(config["lease_fd"]), False)  # so it ends when the last process of the server is gone
     spaces = create_namespaces(os.geteuid() == 0) if config.get("isolate", True) else \
         {"user": False, "mount": False, "ipc": False, "net": False, "pid": False}
     parent = os.getpid()
+    requests_r, requests_w = os.pipe()  # zygote -> launcher: "give this job fresh tmpfs" (freshtmp.py)
+    replies_r, replies_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
+            os.close(requests_r)
+            os.close(replies_w)
+            config["fresh_tmpfs_fds"] = [requests_w, replies_r] if spaces["mount"] else None
             _become_zygote(config, spaces, parent)
         finally:
             os._exit(71)
+    os.close(requests_w)
+    os.close(replies_r)
 
     def _stop(_signum: int, _frame: Any) -> None:
         try:
@@ -319,13 +387,16 @@ def main() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _stop)
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
+
+    def _fresh(paths: list[str]) -> bool:
+        return freshtmp.remount(mount, _umount_detached, paths, TMPFS, WORK_DIR)
+
+    status = freshtmp.serve(pid, requests_r, replies_w, _fresh)
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def _umount_detached(path: str) -> None:
+    _check(_libc.umount2(path.encode(), ctypes.c_int(MNT_DETACH)), f"umount {path}")
 
 
 if __name__ == "__main__":

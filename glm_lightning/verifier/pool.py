@@ -17,6 +17,7 @@ servers of pools whose process died without closing them (SIGKILL of the trainer
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import marshal
@@ -29,12 +30,14 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import cleanup
+from . import cleanup, defences, residentroot
 from .judge import Reply
+from .uids import BLOCK_SIZE, UidLease
 
 LAUNCHER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher.py")
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # glm_lightning/: tasks, sources
@@ -123,13 +126,55 @@ def _kill_stale_server(pgid: int) -> None:
         pass
 
 
+_RESIDENT: dict[int, str] = {}  # pid -> this process's resident copy (residentroot.py), shared by its pools
+_RESIDENT_LOCK = threading.Lock()
+
+
+def resident_root() -> str:
+    """This process's private copy of the interpreter, standard library and system libraries (built on first use,
+    kept for the process's lifetime: ~1 s and ~85 MB of tmpfs here). Lives in a `glm-verifier-<pid>-root-*` scratch
+    directory with an owner file, so reap_stale removes it once this process is gone; removed at exit."""
+    with _RESIDENT_LOCK:
+        path = _RESIDENT.get(os.getpid())
+        if path is not None and os.path.isdir(path):
+            return os.path.join(path, "tree")
+        path = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-root-", dir=scratch_parent())
+        try:
+            residentroot.build(os.path.join(path, "tree"))
+            with open(os.path.join(path, "owner"), "w") as fh:
+                fh.write(f"{os.getpid()} {_start_time(os.getpid())}\n")
+        except BaseException:
+            cleanup.remove_tree(path)
+            raise
+        if not _RESIDENT:
+            atexit.register(_remove_resident)
+        _RESIDENT[os.getpid()] = path
+        return os.path.join(path, "tree")
+
+
+def _remove_resident() -> None:
+    path = _RESIDENT.pop(os.getpid(), None)
+    if path is not None:
+        cleanup.remove_tree(path)
+
+
 class ZygoteProcess:
     """One running sandbox server (launcher + zygote): its Popen handle, raw pipe fds and start-up report."""
 
-    def __init__(self, scratch: str, uid: int | None, gid: int | None, memory_mb: int, timeout_s: float) -> None:
+    def __init__(self, scratch: str, uid: int | None, gid: int | None, memory_mb: int, timeout_s: float,
+                 resident: str | None = None) -> None:
         self.scratch = scratch
         self.want_namespaces = os.environ.get("GLM_VERIFIER_NO_NAMESPACES") != "1"
+        off = defences.switched_off()
+        # A uid block of our own (issue 46): one kernel uid per job, shared with no other server on the host.
+        self.lease = UidLease() if uid is not None and "uid_pool" not in off else None
+        if self.lease is not None:
+            uid = self.lease.first_uid
         self.config = {"uid": uid, "gid": gid, "scratch": scratch, "memory_mb": memory_mb, "timeout_s": timeout_s,
+                       "defences_off": off,
+                       "resident_root": resident,
+                       "uid_block": [uid, BLOCK_SIZE] if self.lease is not None else None,
+                       "lease_fd": self.lease.fd if self.lease is not None else None,
                        "isolate": self.want_namespaces,
                        # Test-only switch: shows what the kernel layer contains on its own. Never set in training.
                        "audit_hook": os.environ.get("GLM_VERIFIER_UNSAFE_NO_AUDIT_HOOK") != "1",
@@ -179,7 +224,8 @@ class ZygoteProcess:
                "OMP_NUM_THREADS": "1"}
         with tempfile.TemporaryFile() as stderr:  # the zygote only writes here if it crashes; kept for the message
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env,
-                                         cwd="/", close_fds=True, start_new_session=True)
+                                         cwd="/", close_fds=True, start_new_session=True,
+                                         pass_fds=() if self.lease is None else (self.lease.fd,))
             try:
                 line = _read_line(self.out_fd, time.monotonic() + START_TIMEOUT_S)
                 hello = json.loads(line)
@@ -227,6 +273,35 @@ class ZygoteProcess:
         except (OSError, subprocess.SubprocessError):
             pass
 
+    def release(self) -> None:
+        """Stop the server for good and give up our copy of its uid lease (the launcher's copy ends with it)."""
+        self.stop()
+        if self.lease is not None:
+            self.lease.close()
+
+    def forget(self) -> None:
+        """In a forked child: drop the inherited pipe ends and lease descriptor without touching the server, which
+        belongs to the parent (no wait, no signal: the child must never stop the parent's servers)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            for stream in (proc.stdin, proc.stdout):
+                try:
+                    if stream is not None:
+                        stream.close()
+                except OSError:
+                    pass
+            proc.returncode = -1  # our copy only: keeps Popen.__del__ from waiting on a process that is not ours
+        if self.lease is not None:
+            self.lease.close()  # the child's copy: the lock stays held through the parent's and the launcher's
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+
 
 def _read_line(fd: int, deadline: float) -> bytes:
     """Blocking-with-deadline read of one line from a pipe (used only for the hello)."""
@@ -263,24 +338,66 @@ class _Lane:
     retire: bool = False  # the zygote announced it exits after its last reply: restart, re-queue, fail nothing
 
 
+_LIVE_POOLS: weakref.WeakSet[ZygotePool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """os.register_at_fork hook: a forked child (DDP, dataloader workers, Ray, multiprocessing) inherits every pool
+    of its parent; it must never stop their servers, delete their scratch directory or write to their pipes."""
+    for pool in list(_LIVE_POOLS):
+        pool.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class VerifierClosedError(RuntimeError):
+    """The Verifier was closed (possibly by another thread while this batch ran)."""
+
+
+class ForeignProcessError(RuntimeError):
+    """A pool was used from a process that did not create it (a forked child)."""
+
+
 class ZygotePool:
-    """`workers` sandbox servers sharing one private host scratch directory; `run` is thread-safe (serialised)."""
+    """`workers` sandbox servers sharing one private host scratch directory.
+
+    Safe under threads, close() and fork (issue 46): `run` is serialised by a lock; `close` cancels a running batch
+    (which then raises VerifierClosedError), waits for it to stop and only then stops the servers, so no server is
+    restarted after close; a forked child forgets the inherited pool (its own copies of the pipe ends and uid leases
+    are closed, the parent's servers and scratch directory are untouched) and gets ForeignProcessError if it calls
+    `run`."""
 
     def __init__(self, workers: int, memory_mb: int, timeout_s: float = 2.0) -> None:
+        self.owner_pid = os.getpid()
+        self.forked = False
+        self._lock = threading.RLock()
+        self._wake_r, self._wake_w = os.pipe()  # close() wakes a running batch's selector through this
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self.closed = False
+        self.zygotes: list[ZygoteProcess] = []
+        _LIVE_POOLS.add(self)
         self.uid, self.gid = unprivileged_ids()
         self.reaped = reap_stale(scratch_parent())
         self.scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=scratch_parent())
         os.chmod(self.scratch, 0o711)  # the unprivileged child must traverse it, never list or write it
         self.memory_mb = memory_mb
         self.timeout_s = timeout_s
-        self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self.zygotes: list[ZygoteProcess] = []
-        self.closed = False
         try:
+            resident = None
+            if "resident_root" not in defences.switched_off() and os.geteuid() == 0 and \
+                    os.environ.get("GLM_VERIFIER_NO_NAMESPACES") != "1" and \
+                    os.environ.get("GLM_VERIFIER_UNSAFE_NO_PRIVATE_ROOT") != "1":
+                resident = resident_root()
             for _ in range(workers):
-                zygote = ZygoteProcess(self.scratch, self.uid, self.gid, memory_mb, timeout_s)
-                zygote.start()
+                zygote = ZygoteProcess(self.scratch, self.uid, self.gid, memory_mb, timeout_s, resident)
+                try:
+                    zygote.start()
+                except BaseException:
+                    zygote.release()
+                    raise
                 self.zygotes.append(zygote)
                 self._write_owner()
         except BaseException:
@@ -297,6 +414,8 @@ class ZygotePool:
 
     def _restart(self, zygote: ZygoteProcess) -> None:
         zygote.stop()
+        if self.closed:  # never start a server after close(): it would outlive the Verifier
+            raise VerifierClosedError("the verifier was closed while this batch ran")
         zygote.start()
         try:
             self._write_owner()
@@ -307,33 +426,82 @@ class ZygotePool:
         return next(self._ids)  # atomic under the GIL: callers need not hold the lock
 
     def close(self) -> None:
-        """Stop every server and remove the scratch directory. Idempotent; never raises."""
+        """Cancel a running batch, wait for it, stop every server, remove the scratch directory. Idempotent; never
+        raises. In a forked child it only forgets the parent's pool."""
+        if os.getpid() != self.owner_pid:
+            self.forget_after_fork()
+            return
+        if self.closed and self._wake_w < 0:
+            return  # already closed
         self.closed = True
-        for zygote in self.zygotes:
-            try:
-                zygote.stop()
-            except Exception:  # noqa: BLE001 - close must not raise
-                pass
         try:
-            cleanup.remove_tree(self.scratch)
-        except Exception:  # noqa: BLE001
+            os.write(self._wake_w, b"x")
+        except OSError:
             pass
+        # A batch in another thread sees the wake-up at once and stops; the bound only guards against a thread
+        # that can no longer run (e.g. a daemon thread at interpreter exit).
+        locked = self._lock.acquire(timeout=self.timeout_s + GRACE_S + 2 * STOP_WAIT_S)
+        try:
+            for zygote in self.zygotes:
+                try:
+                    zygote.release()
+                except Exception:  # noqa: BLE001 - close must not raise
+                    pass
+            try:
+                cleanup.remove_tree(self.scratch)
+            except Exception:  # noqa: BLE001
+                pass
+            if locked:  # no batch can be selecting on the wake-up pipe any more
+                for fd in (self._wake_r, self._wake_w):
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                self._wake_r = self._wake_w = -1
+        finally:
+            if locked:
+                self._lock.release()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close our copies of the parent's pipes and leases; never signal or wait."""
+        if self.forked or os.getpid() == self.owner_pid:
+            return
+        self.forked = True
+        self._lock = threading.RLock()  # another thread of the parent may have held it at fork time
+        for zygote in self.zygotes:
+            zygote.forget()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _check_owner(self) -> None:
+        if os.getpid() != self.owner_pid:
+            raise ForeignProcessError(
+                f"this Verifier belongs to process {self.owner_pid}; process {os.getpid()} is a fork of it "
+                "(DDP, dataloader or Ray workers, multiprocessing): create a Verifier in the child instead. Its "
+                "servers and pipes stay the parent's, so the child's copy is never used (frames would interleave).")
 
     def run(self, jobs: list[dict[str, Any]], timeout_s: float) -> list[Reply]:
         """Run every job, in parallel across zygotes; replies in job order."""
+        self._check_owner()
         with self._lock:
             if self.closed:
-                raise RuntimeError("the verifier is closed")
-            for zygote in self.zygotes:
-                if zygote.proc is None or zygote.proc.poll() is not None:
-                    self._restart(zygote)
+                raise VerifierClosedError("the verifier is closed")
             try:
+                for zygote in self.zygotes:
+                    if zygote.proc is None or zygote.proc.poll() is not None:
+                        self._restart(zygote)
                 return self._run(jobs, timeout_s)
-            except BaseException:
-                # Interrupted (e.g. KeyboardInterrupt) or a restart failed: zygotes may still hold queued work
-                # whose replies would be mistaken for the next run's, so replace them all before anyone reuses us.
+            except BaseException as exc:
+                # Interrupted (e.g. KeyboardInterrupt), closed, or a restart failed: zygotes may still hold queued
+                # work whose replies would be mistaken for the next run's, so replace them all before anyone
+                # reuses us.
                 for zygote in self.zygotes:
                     zygote.stop()
+                if self.closed and isinstance(exc, Exception) and not isinstance(exc, VerifierClosedError):
+                    raise VerifierClosedError("the verifier was closed while this batch ran") from exc
                 raise
 
     def _run(self, jobs: list[dict[str, Any]], timeout_s: float) -> list[Reply]:
@@ -345,9 +513,12 @@ class ZygotePool:
         budget = timeout_s + GRACE_S
         sel = selectors.DefaultSelector()
         try:
+            sel.register(self._wake_r, selectors.EVENT_READ, None)
             for lane in lanes:
                 sel.register(lane.zygote.out_fd, selectors.EVENT_READ, lane)
             while pending or any(lane.inflight for lane in lanes):
+                if self.closed:
+                    raise VerifierClosedError("the verifier was closed while this batch ran")
                 now = time.monotonic()
                 for lane in lanes:
                     while pending and len(lane.inflight) < PIPELINE_DEPTH and not lane.retire:
@@ -362,6 +533,9 @@ class ZygotePool:
                 waits = [lane.head_started + budget - now for lane in lanes if lane.inflight]
                 for key, mask in sel.select(max(0.0, min(waits + [1.0]))):
                     lane = key.data
+                    if lane is None:  # close() from another thread (checked at the top of the loop)
+                        _drain(self._wake_r)
+                        continue
                     if mask & selectors.EVENT_WRITE:
                         self._flush(lane)
                         self._want_write(sel, lane)

@@ -52,6 +52,7 @@ DEFAULT_MAX_RESULT_BYTES = 1 << 20
 PROBE_TIMEOUT_S = 5.0
 SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 REAP_WAIT_S = 1.0
+FRESH_TMPFS_WAIT_S = 5.0
 
 
 class Zygote:
@@ -75,6 +76,15 @@ class Zygote:
         self.wipe_dirs = [p for p in SHARED_TMP if p in private]  # ours to empty: private to this namespace
         self.clean_stamp: dict[str, tuple[int, int]] = {}  # (mtime, ctime) of each after its last wipe
         self.sweep_dirs = [p for p in SHARED_TMP if p not in private and config.get("uid") is not None]
+        block = config.get("uid_block")
+        self.uid_block = (int(block[0]), int(block[1])) if block else None
+        self.sandbox_uids = range(block[0], block[0] + block[1]) if block else range(0)
+        # issue 46: fresh tmpfs per job from the launcher (freshtmp.py); None: empty the directories instead
+        fresh = config.get("fresh_tmpfs_fds")
+        self.fresh = (int(fresh[0]), int(fresh[1])) if fresh else None
+        self.fresh_paths = [p for p in private if p in (*SHARED_TMP, self.scratch)]
+        for fd in self.fresh or ():
+            os.set_inheritable(fd, False)
         wanted = int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES))
         if config.get("stage_fds"):  # created and sized by the launcher before the seccomp filter existed
             self.stage_r, self.stage_w = (int(fd) for fd in config["stage_fds"])
@@ -94,6 +104,9 @@ class Zygote:
     # -- per-job working directory -------------------------------------------------------------------------------
     def _make_workdir(self) -> str:
         self.counter += 1
+        if self.uid_block is not None:  # issue 46: the next uid of this server's own block, one per job
+            first, count = self.uid_block
+            self.config["uid"] = first + self.counter % count
         path = os.path.join(self.scratch, f"w{self.counter}-{os.urandom(4).hex()}")
         os.mkdir(path, 0o700)
         if self.config.get("uid") is not None:
@@ -103,6 +116,8 @@ class Zygote:
     def _cleanup(self, workdir: str, started: float) -> bool:
         """Remove everything the candidate could have left: processes, its directory, the shared temp dirs."""
         self._kill_everything()
+        if self.fresh is not None:  # new tmpfs instances: nothing of this job's superblocks reaches the next job
+            return self._fresh_tmpfs()
         ok = cleanup.remove_tree(workdir)
         for path in self.wipe_dirs:
             if self._stamp(path) == self.clean_stamp.get(path):
@@ -110,9 +125,20 @@ class Zygote:
             ok = cleanup.wipe(path, keep=frozenset({os.path.basename(self.scratch)}) if path == "/tmp" else
                               frozenset()) and ok
             self.clean_stamp[path] = self._stamp(path)
-        for path in self.sweep_dirs:  # no private tmpfs: remove what the sandbox uid created during this run
-            ok = _sweep_owned(path, self.config["uid"], started) and ok
+        for path in self.sweep_dirs:  # no private tmpfs: remove what the sandbox uids created during this run
+            ok = _sweep_owned(path, self.config["uid"], self.sandbox_uids) and ok
         return ok
+
+    def _fresh_tmpfs(self) -> bool:
+        """Ask the launcher (outside the seccomp filter) to replace every private tmpfs; False if it could not."""
+        assert self.fresh is not None
+        request, reply = self.fresh
+        try:
+            _write_all(request, json.dumps(self.fresh_paths).encode() + b"\n")
+            ready = select.select([reply], [], [], FRESH_TMPFS_WAIT_S)[0]
+            return bool(ready) and os.read(reply, 1) == b"1"
+        except OSError:
+            return False
 
     @staticmethod
     def _stamp(path: str) -> tuple[int, int] | None:
@@ -146,7 +172,7 @@ class Zygote:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for fd in (ctl_r, res_r, self.stage_r, self.stage_w, self.wake_r, self.wake_w):
+                for fd in (ctl_r, res_r, self.stage_r, self.stage_w, self.wake_r, self.wake_w, *(self.fresh or ())):
                     os.close(fd)
                 child.run_candidate(ctl_w, res_w, workdir, self.config, t_fork)
             finally:
@@ -289,6 +315,8 @@ class Zygote:
         if pid == 0:
             try:
                 os.close(read_fd)
+                for fd in self.fresh or ():
+                    os.close(fd)
                 child.probe(write_fd, workdir, dict(self.config, timeout_s=PROBE_TIMEOUT_S))
             finally:
                 os._exit(child.EXIT_INTERNAL_ERROR)
@@ -334,12 +362,12 @@ def _read_report(ctl_r: int) -> dict[str, Any] | None:
         return None
 
 
-def _sweep_owned(path: str, uid: int, since: float) -> bool:
-    """Fallback without a private tmpfs: delete top-level entries of `path` owned by the sandbox uid."""
+def _sweep_owned(path: str, uid: int, block: range) -> bool:
+    """Fallback without a private tmpfs: delete top-level entries of `path` owned by the sandbox uid(s)."""
     ok = True
     try:
         with os.scandir(path) as entries:
-            owned = [e.path for e in entries if _owner(e) == uid]
+            owned = [e.path for e in entries if _owner(e) == uid or _owner(e) in block]
     except OSError:
         return True
     for entry in owned:
