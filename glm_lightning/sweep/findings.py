@@ -258,8 +258,9 @@ run `python -m glm_lightning demo --stages pretrain` once first.
   would matter): equivalence is judged by two one-sided sign-flip tests at ± the margin (TOST), Holm-adjusted
   across the study's comparisons exactly as the difference tests are. **reproduced** when equivalent (TOST
   p < 0.05) and the difference is not significant; **equivalent (a small difference)** when equivalent and
-  significant: a real difference, inside the margin; **refuted** when significant and not shown equivalent;
-  otherwise **inconclusive** ("underpowered" when an effect of the margin's size would be detected less than 80% of
+  significant: a real difference, inside the margin; **refuted** when significant with the whole 95% CI beyond
+  the margin; **different (possibly inside the margin)** when significant, not shown equivalent and the CI reaches
+  inside the margin (real, but not shown to matter); otherwise **inconclusive** ("underpowered" when an effect of the margin's size would be detected less than 80% of
   the time).
 - The MDE says only what power says: an effect of ±MDE would be detected 80% of the time. Which effects our data
   exclude comes from the 95% CI, not from the MDE.
@@ -269,13 +270,15 @@ run `python -m glm_lightning demo --stages pretrain` once first.
 rl_invalid_penalty, rl_temperature, rl_group_size): the 1.3M-parameter demo model from its pre-training checkpoint
 (pass@1 86-92% before RL), rollouts at T 0.7, lr 2e-4, last block + final norm + an untied head trained, 40 new
 tokens, 288 training completions per run (36 prompts x G 8), 3 rewarded families (absolute, double, list_sum). The
-tutorial's screen: the 25.7M model from an under-trained checkpoint (about 25% greedy dev pass), T 0.35, lr 5e-5,
+tutorial's screen: its 25.7M model from an under-trained checkpoint (about 25% greedy dev pass), T 0.35, lr 5e-5,
 last block + tied head, 32 new tokens, 128 training completions per arm, 5 families (increment, double, square,
 even, reverse). A near-ceiling model compresses every effect, so these rows do not test the tutorial's regime. The
 rows of rl_screen_tutorial re-run the screen in the tutorial's regime (`configs/experiments/rl_screen_tutorial.yaml`:
 flash-25m from 3 under-trained pre-training checkpoints near 25% greedy pass, 6 RL seeds each, arms paired within a
-seed and so within its checkpoint, the checkpoints as blocks); one difference remains: our RL trains the log-probs at
-the rollout temperature, the tutorial's objective as its reference states it does not.
+seed and so within its checkpoint, the checkpoints as blocks), scored at each run's evaluation after exactly 128
+training completions (`score_at`); differences from the tutorial's screen remain, listed in
+[rl_screen_tutorial](rl_screen_tutorial.md) (the trained objective's temperature, the start's level, model size
+26.5M vs 25.7M, prompt reuse, the evaluation set).
 """
 
 
@@ -283,7 +286,8 @@ OWN_HEADER = """## The lab's own questions
 
 Questions no published result answers (which of our own parts and settings earn their keep), asked the same way: a
 paired comparison with the study's control, judged by the rule for "no difference" at the margin stated per row
-(**equivalent**, **equivalent (a small difference)**, **different**, **inconclusive**). The row numbers continue the
+(**equivalent**, **equivalent (a small difference)**, **different (beyond the margin)**, **different (possibly
+inside the margin)**, **inconclusive**). The row numbers continue the
 table above, and its notes and code commits cover these rows too."""
 
 
@@ -330,7 +334,8 @@ def render(rows: Sequence[Row], generated: str, found_meta: dict[str, dict[str, 
                 parts.append(r.claim.measure)
             if r.claim.margin:
                 unit = next((m.unit for m in r.study.metrics if m.tag == (r.claim.metric or r.study.primary.tag)), "")
-                parts.append(f"margin for \"no difference\": ±{r.claim.margin:g}{' ' + unit if unit else ''}")
+                parts.append(f"margin for \"no difference\": ±{r.claim.margin:g}{' ' + unit if unit else ''}"
+                             + (f" ({r.claim.margin_reason})" if r.claim.margin_reason else ""))
             if r.claim.earlier:
                 parts.append(f"earlier, smaller run: {r.claim.earlier}")
             lines.append(f"{i}. {'; '.join(parts)}.")

@@ -47,12 +47,13 @@ import yaml
 
 from glm_lightning.sweep.claims import Claim, parse_claims
 from glm_lightning.sweep.fingerprint import REPO_ROOT, combine, fingerprint_parts, portable_path
+from glm_lightning.sweep.score_at import ScoreAt, completions_at, parse_score_at
 
 DEFAULT_SEED_KEYS = ("seed_everything", "data.init_args.seed")
 LOWER_IS_BETTER_SUFFIXES = ("loss", "bpb", "ppl", "perplexity")
 KNOWN_KEYS = {
     "name", "description", "base", "overrides", "variable", "values", "variants", "control", "seeds", "seed_keys",
-    "metrics", "higher_is_better", "budget", "tutorial", "claims", "expected_minutes", "regime", "blocks",
+    "metrics", "higher_is_better", "budget", "tutorial", "claims", "expected_minutes", "regime", "blocks", "score_at",
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -112,6 +113,8 @@ class Study:
     expected_minutes: float | None = None
     regime: str = ""
     blocks: dict[str, Block] = field(default_factory=dict)
+    score_at: ScoreAt | None = None
+    """Which evaluation of each run is scored (`sweep.score_at`); None = the last logged value."""
 
     @property
     def primary(self) -> Metric:
@@ -320,6 +323,23 @@ def _parse_blocks(path: Path, raw: Any) -> dict[str, Block]:
     return out
 
 
+def _parse_score_at(path: Path, raw: dict[str, Any], base: Path, overrides: dict[str, Any],
+                    variants: Sequence[Variant]) -> ScoreAt | None:
+    """`score_at:`, with its completions checked in every variant (`sweep.score_at.completions_at`)."""
+    try:
+        score_at = parse_score_at(str(path), raw.get("score_at"))
+        if score_at is None or score_at.completions is None:
+            return score_at
+        for v in variants:
+            n = completions_at(base, {**overrides, **v.overrides}, score_at.evaluation)
+            if n != score_at.completions:
+                raise ValueError(f"{path}: score_at: variant {v.name!r} reaches evaluation {score_at.evaluation} "
+                                 f"after {n} training completions, not {score_at.completions}")
+    except ValueError as err:
+        raise StudyError(str(err)) from None
+    return score_at
+
+
 def load_study(path: str | Path, seeds: int | None = None) -> Study:
     """Read and check a study file (not yet the base config: see `validate_config`). `seeds` overrides the count."""
     path = Path(path)
@@ -406,7 +426,8 @@ def load_study(path: str | Path, seeds: int | None = None) -> Study:
         description=str(raw.get("description") or "").strip(), budget=str(raw.get("budget") or "").strip(),
         tutorial=str(raw.get("tutorial") or "").strip(), seeds_from_count=from_count, raw=raw, claims=claims,
         expected_minutes=None if expected is None else float(expected),
-        regime=str(raw.get("regime") or "").strip(), blocks=blocks,
+        regime=str(raw.get("regime") or "").strip(), blocks=blocks, score_at=_parse_score_at(path, raw, base,
+                                                                                           overrides, variants),
     )
     if seeds is not None:
         study = study.with_seed_count(seeds)
