@@ -433,5 +433,6 @@ def test_committed_results_match_the_shipped_study_files(name, tmp_path):
         pytest.skip(f"{name} has no committed results")
     study = load_study(EXPERIMENTS / f"{name}.yaml")
     out = from_saved(study, saved, tmp_path / "runs")
+    assert out.rewritten == 0, f"{out.rewritten} committed runs of {name} carry a rewritten identity"
     assert out.stale == 0, f"{out.stale} committed runs of {name} no longer match its shipped config files"
     assert out.results, f"no committed run of {name} matches its shipped config files"

@@ -27,6 +27,8 @@ from typing import Any
 from glm_lightning.stats import format_p, holm, tost_sign_flip
 from glm_lightning.sweep.analysis import Comparison, MetricAnalysis, analyse
 from glm_lightning.sweep.claims import Claim, Verdict, judge
+from glm_lightning.sweep.equivalence import Equivalence
+from glm_lightning.sweep.fingerprint import portable_path, source_digest
 from glm_lightning.sweep.events import read_scalars
 from glm_lightning.sweep.report import commit_in_repository, runs_commit
 from glm_lightning.sweep.runner import RunResult, RunSpec, finished_result, plan_runs, read_done
@@ -89,6 +91,9 @@ class StudyResults:
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     stale: int = 0  # saved runs of other settings (ignored)
+    rewritten: int = 0  # saved runs whose identity is the current config's but whose recorded config digest is not
+    equivalent: dict[Equivalence, list[tuple[str, str]]] = field(default_factory=dict)
+    """Runs counted through a checked equivalence record: (identity as run, identity now) per run."""
 
     @property
     def total(self) -> int:
@@ -118,11 +123,28 @@ def from_saved(study: Study, path: Path, runs_root: Path) -> StudyResults:
     data = _read_json(path)
     if data is None:
         return out
-    specs: dict[tuple[str, int, str], RunSpec] = {(s.variant, s.seed, s.identity): s
-                                                  for s in plan_runs(study, runs_root)}
+    planned = plan_runs(study, runs_root)
+    specs: dict[tuple[str, int, str], RunSpec] = {(s.variant, s.seed, s.identity): s for s in planned}
+    by_seed = {(s.variant, s.seed): s for s in planned}
+    base = portable_path(study.base)
+    checked = [(e, e.check_edit(REPO_ROOT)) for e in study.equivalences if e.config == base]
     for run in data.get("runs", []):
         # runs saved before fingerprints had parts carry their identity as their fingerprint
-        spec = specs.get((run.get("variant"), run.get("seed"), run.get("identity") or run.get("fingerprint")))
+        recorded = run.get("identity") or run.get("fingerprint")
+        spec = specs.get((run.get("variant"), run.get("seed"), recorded))
+        planned_spec = by_seed.get((run.get("variant"), run.get("seed")))
+        ran_with = (run.get("parts") or {}).get("configs", {}).get(base)
+        if spec is not None and ran_with is not None and ran_with != spec.parts.get("configs", {}).get(base):
+            out.rewritten += 1  # its identity says the current text, its own record another: never trusted
+            out.stale += 1
+            continue
+        if spec is None and planned_spec is not None:
+            variant = study.variant(planned_spec.variant)
+            for record, old_text in checked:
+                if record.covers(run, old_text, lambda text: study.identity(variant, planned_spec.seed, text)):
+                    spec = planned_spec
+                    out.equivalent.setdefault(record, []).append((str(recorded), planned_spec.identity))
+                    break
         if spec is None:
             out.stale += 1
             continue
@@ -155,6 +177,8 @@ class Row:
     wall: str
     comparison: Comparison | None = None
     judged: Verdict | None = None
+    provenance: str = ""
+    """Runs counted through equivalence records (shown in the notes, once per study)."""
 
 
 def _tutorial_cell(c: Claim) -> str:
@@ -208,6 +232,9 @@ def claim_row(claim: Claim, found: StudyResults) -> Row:
         why = "not run"
         if found.stale:
             why += f" (the {found.stale} saved runs are of other settings)"
+        if found.rewritten:
+            why += (f"; {found.rewritten} of them carry the current config's identity but recorded another config "
+                    "text: a rewritten identity, refused")
         return Row(claim, study, why, "not run", command, _expected(study))
     analyses = analyse(study, found.results)
     analysis = next(a for a in analyses if a.metric.tag == (claim.metric or study.primary.tag))
@@ -231,7 +258,28 @@ def claim_row(claim: Claim, found: StudyResults) -> Row:
         ours += f"; TOST ±{claim.margin:g}: p={format_p(p_equiv)}{holm_note}"
     verdict = judge(claim, diff, lo, hi, p, mde, p_equiv)
     word = verdict.word if not partial else f"{verdict.word} (so far)"
-    return Row(claim, study, ours + partial, f"**{word}**: {verdict.why}", command, _wall(found), comp, verdict)
+    return Row(claim, study, ours + partial + code_note(found), f"**{word}**: {verdict.why}", command, _wall(found),
+               comp, verdict, provenance_note(found))
+
+
+def code_note(found: StudyResults) -> str:
+    """Says in the row when its runs were made at other code than the current source, and when some count through
+    an equivalence record (issue 47: the table never reads runs whatever code they ran at without saying so)."""
+    now = source_digest()
+    sources = {str((r.spec.parts or {}).get("source") or "") for r in found.results}
+    gits = sorted({r.git for r in found.results if r.git})
+    note = ""
+    if sources - {now}:
+        note = f"; runs made at other code than now (git {', '.join(gits) or 'unrecorded'})"
+    n_equiv = sum(len(v) for v in found.equivalent.values())
+    if n_equiv:
+        note += f"; {n_equiv} of them count through an equivalence record (notes)"
+    return note
+
+
+def provenance_note(found: StudyResults) -> str:
+    return " ".join(record.describe(pairs[0][0], pairs[0][1], len(pairs)) + "."
+                    for record, pairs in found.equivalent.items())
 
 
 # --- the README ------------------------------------------------------------------------------------------------------
@@ -326,6 +374,7 @@ def render(rows: Sequence[Row], generated: str, found_meta: dict[str, dict[str, 
                       "|---|---|---|---|---|---|"]
             lines += [_table_row([str(i), r.claim.claim, r.ours, r.verdict, r.command, r.wall]) for i, r in rows_in]
     notes = [(i, r) for i, r in enumerate(rows, 1) if r.claim.measure or r.claim.earlier or r.claim.margin]
+    shown: set[str] = set()
     if notes:
         lines += ["", "## Notes per row", ""]
         for i, r in notes:
@@ -338,6 +387,9 @@ def render(rows: Sequence[Row], generated: str, found_meta: dict[str, dict[str, 
                              + (f" ({r.claim.margin_reason})" if r.claim.margin_reason else ""))
             if r.claim.earlier:
                 parts.append(f"earlier, smaller run: {r.claim.earlier}")
+            if r.provenance and r.study.name not in shown:
+                shown.add(r.study.name)
+                parts.append(r.provenance.rstrip("."))
             lines.append(f"{i}. {'; '.join(parts)}.")
     code = []
     for name in dict.fromkeys(r.study.name for r in rows if r.comparison is not None):
