@@ -53,7 +53,8 @@ def test_help_shows_the_settings_dataclasses_attribute_docstrings(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--model.help", "glm_lightning.modules.rl.RLModule"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--model.sampling.temperature" in text and "also the temperature of the trained policy" in text
+    assert "--model.sampling.temperature" in text and "the trained policy's is `loss.train_temperature`" in text
+    assert "--model.loss.train_temperature" in text and "--model.budget.completions" in text
 
 
 def test_config_time_checks_name_the_keys_to_change(tmp_path, monkeypatch):

@@ -65,7 +65,8 @@ def _finish(study, out: Path, git: str | None = None) -> None:
 def test_parts_cover_arguments_stacked_configs_checkpoints_and_source(study_file, tmp_path):
     study = load_study(study_file)
     parts = study.fingerprint_parts(study.variants[0], 0)
-    assert set(parts) == {"arguments", "configs", "checkpoints", "source"}
+    assert set(parts) == {"arguments", "configs", "checkpoints", "source", "environment"}
+    assert set(parts["environment"]) == {"torch", "lightning", "cpu"}
     assert set(parts["configs"]) == {"tests/conf/sweep_base_tiny.yaml", "overlay.yaml"}
     assert parts["checkpoints"] == {str(tmp_path / "start.ckpt"): fp.file_digest(tmp_path / "start.ckpt")[:16]}
     assert parts["source"] == fp.source_digest() and len(fp.source_files()) > 50
@@ -98,6 +99,8 @@ def test_other_arguments_run_again(study_file, tmp_path, capsys):
     ("config", "config overlay.yaml"),
     ("checkpoint", "checkpoint "),
     ("source", "the package source"),
+    ("torch", "torch (2.0.0 -> "),
+    ("cpu", "cpu (Some Other CPU [AVX2] -> "),
 ])
 def test_changed_inputs_make_the_sweep_refuse_naming_them(study_file, tmp_path, monkeypatch, change, named):
     out = tmp_path / "out"
@@ -107,6 +110,14 @@ def test_changed_inputs_make_the_sweep_refuse_naming_them(study_file, tmp_path, 
         (tmp_path / "overlay.yaml").write_text("trainer:\n  max_steps: 3  # edited\n")
     elif change == "checkpoint":
         (tmp_path / "start.ckpt").write_bytes(b"weights v2")
+    elif change in ("torch", "cpu"):  # the finished runs were made with another torch / on another CPU
+        old = {"torch": "2.0.0", "cpu": "Some Other CPU [AVX2]"}[change]
+        for done_file in out.rglob(DONE_FILE):
+            done = json.loads(done_file.read_text())
+            done["parts"]["environment"][change] = old
+            done["fingerprint"] = fp.combine(done["parts"])
+            done_file.write_text(json.dumps(done))
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     else:
         monkeypatch.setattr(fp, "source_digest", lambda root=fp.REPO_ROOT: "0123456789abcdef")
     with pytest.raises(StudyError) as err:

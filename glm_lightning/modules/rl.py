@@ -15,7 +15,6 @@ import copy
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from glm_lightning.evaluation import VerifierSettings, completion_finished, verifier_jobs
 from glm_lightning.generation import generate
 from glm_lightning.modules.base import StageModule
+from glm_lightning.modules.rl_budget import Budget, BudgetCounter
+from glm_lightning.rl.batch import UpdateBatch
 from glm_lightning.rl.config import PolicyLoss, Reward, Sampling
 from glm_lightning.rl.loss import (
     aggregate_loss,
     build_sequences,
     completion_logprobs,
     compute_advantages,
-    grouped_completion_logprobs,
     pad_completions,
     token_losses,
     verdict_reward,
@@ -44,35 +44,6 @@ from glm_lightning.tokenizer import ByteTokenizer
 TOK = ByteTokenizer()
 
 
-@dataclass
-class UpdateBatch:
-    """The groups whose samples enter the loss: each prompt once (left-padded) and its G completions
-    (right-padded), split into micro-batches of whole groups (`grouped_completion_logprobs` runs a prompt once)."""
-
-    rows: list[int]
-    prompt_ids: torch.Tensor
-    """[groups, Tp] left-padded prompts."""
-    prompt_valid: torch.Tensor
-    completions: torch.Tensor
-    """[rows, Tc] right-padded completions; row j belongs to prompt j // G."""
-    mask: torch.Tensor
-    """[rows, Tc] True on the completion tokens (the loss positions)."""
-    advantages: torch.Tensor
-    normalizer: float
-    chunks: list[tuple[slice, slice]]
-    """Per micro-batch: (its prompts, its rows)."""
-
-    @property
-    def n_tokens(self) -> float:
-        return float(self.mask.sum())
-
-    def logprobs(self, model: torch.nn.Module, chunk: tuple[slice, slice],
-                 temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        groups, rows = chunk
-        return grouped_completion_logprobs(model, self.prompt_ids[groups], self.prompt_valid[groups],
-                                           self.completions[rows], self.mask[rows], temperature)
-
-
 class RLModule(StageModule):
     """RL post-training stage (algorithm above; options and logs in docs/rl.md)."""
 
@@ -82,6 +53,7 @@ class RLModule(StageModule):
         reward: Reward = Reward(),  # noqa: B008
         loss: PolicyLoss = PolicyLoss(),  # noqa: B008
         verifier: VerifierSettings = VerifierSettings(),  # noqa: B008
+        budget: Budget = Budget(),  # noqa: B008
         grad_clip: float = 1.0,
         micro_batch_size: int | None = None,
         untie_head: bool = True,
@@ -94,6 +66,7 @@ class RLModule(StageModule):
             reward: how a verdict becomes a reward (binary / partial, invalid penalty, format bonus).
             loss: advantage estimator, loss aggregation, KL to the start policy, PPO clip and epochs.
             verifier: sandboxed verifier settings.
+            budget: completions or prompts drawn before the run stops (null: `trainer.max_steps` optimizer steps).
             grad_clip: max global grad norm (0 = off).
             micro_batch_size: rows per forward/backward, rounded down to whole groups of G (null = the whole step
                 at once).
@@ -116,10 +89,12 @@ class RLModule(StageModule):
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
         self._rollout_steps = self._groups_skipped = self._groups_seen = self._verifier_failures = 0
         self._fit_t0: float | None = None
+        self.budget = BudgetCounter(budget)
 
     # --- the run's wall time ---------------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
         self._fit_t0 = time.perf_counter()
+        self.budget.check_trainer(self.trainer.max_steps, self.trainer.fast_dev_run)
         summary = getattr(self.verifier, "summary", None)  # started now: the log says at once what isolates rewards
         if callable(summary):
             rank_zero_info(summary())
@@ -131,10 +106,19 @@ class RLModule(StageModule):
             return
         wall = time.perf_counter() - self._fit_t0
         if self.trainer.is_global_zero:
-            print(f"RL run wall time: {wall:.1f} s ({wall / 60:.1f} min), {self.global_step} optimizer steps, "
+            print(f"RL run wall time: {wall:.1f} s ({wall / 60:.1f} min), {self.budget.summary(self.global_step)}, "
                   f"{self._groups_seen - self._groups_skipped}/{self._groups_seen} groups updated", flush=True)
             if self.logger is not None and not isinstance(self.logger, DummyLogger):
                 self.logger.log_metrics({"time/run_s": wall}, step=self.global_step)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["rl_budget"] = {"prompts": self.budget.prompts, "completions": self.budget.completions}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A resumed run goes on counting its budget from where it stopped."""
+        counts = checkpoint.get("rl_budget", {})
+        self.budget.prompts, self.budget.completions = counts.get("prompts", 0), counts.get("completions", 0)
 
     # --- step 1: rollouts ------------------------------------------------------------------------------------------
     def rollout(self, tasks: Sequence[Task], generator: torch.Generator | None = None) -> Rollouts:
@@ -213,7 +197,7 @@ class RLModule(StageModule):
             return None
         was_training = self.ref_model.training
         self.ref_model.eval()
-        t = self.sampling.temperature
+        t = self.loss.trained_temperature(self.sampling.temperature)
         out = torch.cat([batch.logprobs(self.ref_model, c, t)[0] for c in batch.chunks])
         self.ref_model.train(was_training)
         return out
@@ -225,8 +209,9 @@ class RLModule(StageModule):
         lc, first = self.loss, not old_lp
         opt = self.optimizers()
         opt.zero_grad()
+        temperature = self.loss.trained_temperature(self.sampling.temperature)
         for k, c in enumerate(batch.chunks):
-            logp, entropy, aux = batch.logprobs(self.model, c, self.sampling.temperature)
+            logp, entropy, aux = batch.logprobs(self.model, c, temperature)
             if first:
                 old_lp.append(logp.detach())
             rows = c[1]
@@ -305,7 +290,11 @@ class RLModule(StageModule):
         self._groups_skipped += int((~keep).sum())
         stats = self.update(rollouts, advantages, keep)
         t3 = time.perf_counter()
+        self.budget.count(len(tasks) * (self.trainer.world_size if self._trainer is not None else 1),
+                          self.sampling.group_size)  # every group drawn, skipped or not
         self._log_step(rollouts, verdicts, rewards, advantages, keep, stats, (t1 - t0, t2 - t1, t3 - t2))
+        if self._trainer is not None:
+            self.budget.end_of_batch(self.trainer, self.global_step)
 
     def _log_step(self, rollouts: Rollouts, verdicts: Sequence[Any], rewards: torch.Tensor, advantages: torch.Tensor,
                   keep: torch.Tensor, stats: dict[str, float], times: tuple[float, float, float]) -> None:
@@ -314,7 +303,7 @@ class RLModule(StageModule):
         logs.update({"train/groups_skipped": float(self._groups_skipped),
                      "train/groups_updated": float(self._groups_seen - self._groups_skipped),
                      "train/verifier_failures": float(self._verifier_failures),
-                     "train/lr": float(self.optimizers().param_groups[0]["lr"]),
+                     "train/lr": float(self.optimizers().param_groups[0]["lr"]), **self.budget.logs(self.global_step),
                      "time/generate_s": times[0], "time/verify_s": times[1], "time/update_s": times[2]})
         n_prompts = len(rollouts.tasks)
         self.log_dict(logs, batch_size=n_prompts)

@@ -5,6 +5,7 @@ own values when it is built, so a bad config fails before any model exists. Mean
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from glm_lightning.rl.loss import AGGREGATIONS, ESTIMATORS, REWARDS
@@ -17,7 +18,7 @@ class Sampling:
     group_size: int = 8
     """G completions per prompt (>= 2: the group baselines need at least two)."""
     temperature: float = 0.35
-    """Sampling temperature (> 0); also the temperature of the trained policy softmax(logits / T)."""
+    """Sampling temperature (> 0); the trained policy's is `loss.train_temperature` (default: this one)."""
     top_p: float | None = None
     """Nucleus sampling threshold in (0, 1]; null = off."""
     max_new_tokens: int = 48
@@ -79,6 +80,14 @@ class PolicyLoss:
     """Upper PPO ratio clip 1 + clip_eps_high (null = clip_eps)."""
     ppo_epochs: int = 1
     """Optimizer steps over the same rollouts (1 = on-policy; the clip is then inert)."""
+    train_temperature: str | float = "sampling"
+    """Temperature of the trained log-probs log_softmax(logits / T): `sampling` (the rollout temperature, the policy
+    that was sampled) or a number, e.g. 1.0 (the tutorial's train_rl.py trains log_softmax(logits) whatever the
+    rollout temperature)."""
+
+    def trained_temperature(self, sampling_temperature: float) -> float:
+        """The T of the trained log-probs for rollouts sampled at `sampling_temperature`."""
+        return float(sampling_temperature if self.train_temperature == "sampling" else self.train_temperature)
 
     def __post_init__(self) -> None:
         if self.advantage not in ESTIMATORS:
@@ -88,5 +97,14 @@ class PolicyLoss:
         if self.ppo_epochs < 1:
             raise ValueError("ppo_epochs must be >= 1")
         high = self.clip_eps_high
+        t = self.train_temperature
+        if t != "sampling":
+            try:  # a command line may hand over "1.0" as text
+                value = float(t) if not isinstance(t, bool) else math.nan
+            except (TypeError, ValueError):
+                value = math.nan
+            if not value > 0:
+                raise ValueError(f"train_temperature must be 'sampling' or a number > 0, got {t!r}")
+            object.__setattr__(self, "train_temperature", value)
         if self.kl_coef < 0 or self.clip_eps <= 0 or (high is not None and high <= 0) or self.std_eps <= 0:
             raise ValueError("need kl_coef >= 0, clip_eps > 0, clip_eps_high > 0 and std_eps > 0")

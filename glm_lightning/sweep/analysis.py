@@ -21,6 +21,7 @@ from glm_lightning.power import POWER, sign_flip_mde
 from glm_lightning.stats import holm, mean_ci, min_attainable_p, sign_flip_ci, sign_flip_permutation_test, verdict_text
 from glm_lightning.sweep.events import read_scalars
 from glm_lightning.sweep.runner import RunResult
+from glm_lightning.sweep.score_at import point
 from glm_lightning.sweep.study import Metric, Study
 
 
@@ -72,11 +73,23 @@ class MetricAnalysis:
     comparisons: list[Comparison]
 
 
+def scored_value(study: Study, res: RunResult, tag: str) -> float | None:
+    """The value of `tag` a study scores for one run: its last logged value, or with `score_at` its evaluation k
+    (from the curves it carries, else its folder's events; None when it has fewer evaluations)."""
+    if study.score_at is None:
+        return res.final.get(tag)
+    curve = res.curves.get(tag) if res.curves else None
+    if curve is None and res.spec.run_dir.is_dir():
+        curve = read_scalars(res.spec.run_dir).get(tag)
+    return point(curve, study.score_at.evaluation)
+
+
 def per_seed_values(study: Study, results: Sequence[RunResult], tag: str) -> dict[str, dict[int, float]]:
     out: dict[str, dict[int, float]] = {v.name: {} for v in study.variants}
     for res in results:
-        if res.ok and tag in res.final and math.isfinite(res.final[tag]):
-            out[res.spec.variant][res.spec.seed] = res.final[tag]
+        value = scored_value(study, res, tag) if res.ok else None
+        if value is not None and math.isfinite(value):
+            out[res.spec.variant][res.spec.seed] = value
     return out
 
 

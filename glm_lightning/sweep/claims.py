@@ -26,14 +26,17 @@ The verdict rule (`judge`), stated once so the findings table and its tests use 
   across the study's comparisons of the metric:
   * *reproduced*: equivalent (TOST p < 0.05) and no significant difference;
   * *equivalent (a small difference)*: equivalent and significant: a real difference, but inside ±margin;
-  * *refuted*: a significant difference that is not shown to lie inside ±margin;
+  * *refuted*: a significant difference whose whole 95% CI lies beyond ±margin;
+  * *different (possibly inside the margin)*: a significant difference whose CI reaches inside ±margin and is not
+    shown equivalent: real, but neither shown to matter nor shown not to (issue 47);
   * *inconclusive*: neither ("underpowered" when an effect of the margin's size would be detected less than 80% of
     the time, else the CI reaches beyond ±margin).
 
 **The lab's own questions** (architecture ablations, bf16 parity: no published result to test) are written as a claim
 without `tutorial:`, with a `margin:` (the smallest difference that would matter); the question is "does the variant
 differ from the control by more than ±margin?", judged by the null rule above with its words for our own question:
-*equivalent* (for *reproduced*), *equivalent (a small difference)*, *different* (for *refuted*), *inconclusive*:
+*equivalent* (for *reproduced*), *equivalent (a small difference)*, *different (beyond the margin)* (for *refuted*),
+*different (possibly inside the margin)*, *inconclusive*:
 
       - claim: 1 residual stream learns as well as 4 (mHC)
         variant: streams1
@@ -54,7 +57,7 @@ from typing import Any
 from glm_lightning.stats import format_p
 
 ALPHA = 0.05
-CLAIM_KEYS = {"claim", "variant", "tutorial", "margin", "metric", "measure", "earlier", "differs"}
+CLAIM_KEYS = {"claim", "variant", "tutorial", "margin", "metric", "measure", "earlier", "differs", "margin_reason"}
 TUTORIAL_KEYS = {"effect", "ci", "p", "n", "text"}
 
 
@@ -77,6 +80,8 @@ class Claim:
     """How our setting differs from the tutorial's (empty: they match); a size comparison names it."""
     own: bool = False
     """The lab's own question (no tutorial result): "no difference beyond ±margin", judged by the null rule."""
+    margin_reason: str = ""
+    """Why the margin is this size (against the effect being studied) and when it was set (issue 47)."""
 
     @property
     def decimals(self) -> int:
@@ -94,8 +99,8 @@ class Claim:
 
 @dataclass(frozen=True)
 class Verdict:
-    word: str  # reproduced / refuted / equivalent (a small difference) / inconclusive; own questions: equivalent,
-    # equivalent (a small difference), different, inconclusive
+    word: str  # reproduced / refuted / equivalent (a small difference) / different (possibly inside the margin) /
+    # inconclusive; own questions: equivalent, equivalent (a small difference), different (beyond the margin), ...
     why: str
 
 
@@ -150,7 +155,8 @@ def parse_claims(path: Path, raw: Any, variants: list[str], control: str, tags: 
         out.append(Claim(str(entry["claim"]).strip(), variant, _number(f"{where}: tutorial.effect", tut["effect"]),
                          p, str(tut["n"]), ci, str(tut.get("text", "")).strip(),
                          None if margin is None else float(margin), metric, str(entry.get("measure", "")).strip(),
-                         str(entry.get("earlier", "")).strip(), str(entry.get("differs", "")).strip(), own))
+                         str(entry.get("earlier", "")).strip(), str(entry.get("differs", "")).strip(), own,
+                         str(entry.get("margin_reason", "")).strip()))
     return out
 
 
@@ -203,11 +209,16 @@ def judge(claim: Claim, diff: float, lo: float, hi: float, p: float, mde: float,
             return Verdict("equivalent" if claim.own else "reproduced",
                            f"no difference that matters: {tost}, difference p={format_p(p)}")
         if significant:
-            if claim.own:
-                return Verdict("different", f"a difference of {_fmt(diff, d)} {_ci_text(lo, hi, d)}, p={format_p(p)}, "
-                                            f"not shown to lie inside ±{margin:g} ({tost})")
-            return Verdict("refuted", f"a difference of {_fmt(diff, d)} {_ci_text(lo, hi, d)} where the tutorial found "
-                                      f"none, not shown to lie inside ±{margin:g} ({tost}){sign}")
+            if has_ci and (lo > margin or hi < -margin):  # the whole interval lies beyond the margin
+                if claim.own:
+                    return Verdict("different (beyond the margin)",
+                                   f"a difference of {_fmt(diff, d)} {_ci_text(lo, hi, d)}, p={format_p(p)}, the whole "
+                                   f"95% CI beyond ±{margin:g} ({tost})")
+                return Verdict("refuted", f"a difference of {_fmt(diff, d)} {_ci_text(lo, hi, d)} where the tutorial "
+                                          f"found none, the whole 95% CI beyond ±{margin:g} ({tost}){sign}")
+            return Verdict("different (possibly inside the margin)",
+                           f"a difference of {_fmt(diff, d)} {_ci_text(lo, hi, d)}, p={format_p(p)}, but its 95% CI "
+                           f"reaches inside ±{margin:g}: not shown beyond the margin nor inside it ({tost}){sign}")
         weak = _power_note(mde, margin, d)
         if weak:
             return Verdict("inconclusive", f"{weak}; {tost}")

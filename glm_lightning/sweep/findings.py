@@ -27,6 +27,8 @@ from typing import Any
 from glm_lightning.stats import format_p, holm, tost_sign_flip
 from glm_lightning.sweep.analysis import Comparison, MetricAnalysis, analyse
 from glm_lightning.sweep.claims import Claim, Verdict, judge
+from glm_lightning.sweep.equivalence import Equivalence
+from glm_lightning.sweep.fingerprint import portable_path, source_digest
 from glm_lightning.sweep.events import read_scalars
 from glm_lightning.sweep.report import commit_in_repository, runs_commit
 from glm_lightning.sweep.runner import RunResult, RunSpec, finished_result, plan_runs, read_done
@@ -89,6 +91,9 @@ class StudyResults:
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     stale: int = 0  # saved runs of other settings (ignored)
+    rewritten: int = 0  # saved runs whose identity is the current config's but whose recorded config digest is not
+    equivalent: dict[Equivalence, list[tuple[str, str]]] = field(default_factory=dict)
+    """Runs counted through a checked equivalence record: (identity as run, identity now) per run."""
 
     @property
     def total(self) -> int:
@@ -118,11 +123,28 @@ def from_saved(study: Study, path: Path, runs_root: Path) -> StudyResults:
     data = _read_json(path)
     if data is None:
         return out
-    specs: dict[tuple[str, int, str], RunSpec] = {(s.variant, s.seed, s.identity): s
-                                                  for s in plan_runs(study, runs_root)}
+    planned = plan_runs(study, runs_root)
+    specs: dict[tuple[str, int, str], RunSpec] = {(s.variant, s.seed, s.identity): s for s in planned}
+    by_seed = {(s.variant, s.seed): s for s in planned}
+    base = portable_path(study.base)
+    checked = [(e, e.check_edit(REPO_ROOT)) for e in study.equivalences if e.config == base]
     for run in data.get("runs", []):
         # runs saved before fingerprints had parts carry their identity as their fingerprint
-        spec = specs.get((run.get("variant"), run.get("seed"), run.get("identity") or run.get("fingerprint")))
+        recorded = run.get("identity") or run.get("fingerprint")
+        spec = specs.get((run.get("variant"), run.get("seed"), recorded))
+        planned_spec = by_seed.get((run.get("variant"), run.get("seed")))
+        ran_with = (run.get("parts") or {}).get("configs", {}).get(base)
+        if spec is not None and ran_with is not None and ran_with != spec.parts.get("configs", {}).get(base):
+            out.rewritten += 1  # its identity says the current text, its own record another: never trusted
+            out.stale += 1
+            continue
+        if spec is None and planned_spec is not None:
+            variant = study.variant(planned_spec.variant)
+            for record, old_text in checked:
+                if record.covers(run, old_text, lambda text: study.identity(variant, planned_spec.seed, text)):
+                    spec = planned_spec
+                    out.equivalent.setdefault(record, []).append((str(recorded), planned_spec.identity))
+                    break
         if spec is None:
             out.stale += 1
             continue
@@ -155,6 +177,8 @@ class Row:
     wall: str
     comparison: Comparison | None = None
     judged: Verdict | None = None
+    provenance: str = ""
+    """Runs counted through equivalence records (shown in the notes, once per study)."""
 
 
 def _tutorial_cell(c: Claim) -> str:
@@ -208,6 +232,9 @@ def claim_row(claim: Claim, found: StudyResults) -> Row:
         why = "not run"
         if found.stale:
             why += f" (the {found.stale} saved runs are of other settings)"
+        if found.rewritten:
+            why += (f"; {found.rewritten} of them carry the current config's identity but recorded another config "
+                    "text: a rewritten identity, refused")
         return Row(claim, study, why, "not run", command, _expected(study))
     analyses = analyse(study, found.results)
     analysis = next(a for a in analyses if a.metric.tag == (claim.metric or study.primary.tag))
@@ -231,7 +258,28 @@ def claim_row(claim: Claim, found: StudyResults) -> Row:
         ours += f"; TOST ±{claim.margin:g}: p={format_p(p_equiv)}{holm_note}"
     verdict = judge(claim, diff, lo, hi, p, mde, p_equiv)
     word = verdict.word if not partial else f"{verdict.word} (so far)"
-    return Row(claim, study, ours + partial, f"**{word}**: {verdict.why}", command, _wall(found), comp, verdict)
+    return Row(claim, study, ours + partial + code_note(found), f"**{word}**: {verdict.why}", command, _wall(found),
+               comp, verdict, provenance_note(found))
+
+
+def code_note(found: StudyResults) -> str:
+    """Says in the row when its runs were made at other code than the current source, and when some count through
+    an equivalence record (issue 47: the table never reads runs whatever code they ran at without saying so)."""
+    now = source_digest()
+    sources = {str((r.spec.parts or {}).get("source") or "") for r in found.results}
+    gits = sorted({r.git for r in found.results if r.git})
+    note = ""
+    if sources - {now}:
+        note = f"; runs made at other code than now (git {', '.join(gits) or 'unrecorded'})"
+    n_equiv = sum(len(v) for v in found.equivalent.values())
+    if n_equiv:
+        note += f"; {n_equiv} of them count through an equivalence record (notes)"
+    return note
+
+
+def provenance_note(found: StudyResults) -> str:
+    return " ".join(record.describe(pairs[0][0], pairs[0][1], len(pairs)) + "."
+                    for record, pairs in found.equivalent.items())
 
 
 # --- the README ------------------------------------------------------------------------------------------------------
@@ -258,8 +306,9 @@ run `python -m glm_lightning demo --stages pretrain` once first.
   would matter): equivalence is judged by two one-sided sign-flip tests at ± the margin (TOST), Holm-adjusted
   across the study's comparisons exactly as the difference tests are. **reproduced** when equivalent (TOST
   p < 0.05) and the difference is not significant; **equivalent (a small difference)** when equivalent and
-  significant: a real difference, inside the margin; **refuted** when significant and not shown equivalent;
-  otherwise **inconclusive** ("underpowered" when an effect of the margin's size would be detected less than 80% of
+  significant: a real difference, inside the margin; **refuted** when significant with the whole 95% CI beyond
+  the margin; **different (possibly inside the margin)** when significant, not shown equivalent and the CI reaches
+  inside the margin (real, but not shown to matter); otherwise **inconclusive** ("underpowered" when an effect of the margin's size would be detected less than 80% of
   the time).
 - The MDE says only what power says: an effect of ±MDE would be detected 80% of the time. Which effects our data
   exclude comes from the 95% CI, not from the MDE.
@@ -269,13 +318,15 @@ run `python -m glm_lightning demo --stages pretrain` once first.
 rl_invalid_penalty, rl_temperature, rl_group_size): the 1.3M-parameter demo model from its pre-training checkpoint
 (pass@1 86-92% before RL), rollouts at T 0.7, lr 2e-4, last block + final norm + an untied head trained, 40 new
 tokens, 288 training completions per run (36 prompts x G 8), 3 rewarded families (absolute, double, list_sum). The
-tutorial's screen: the 25.7M model from an under-trained checkpoint (about 25% greedy dev pass), T 0.35, lr 5e-5,
+tutorial's screen: its 25.7M model from an under-trained checkpoint (about 25% greedy dev pass), T 0.35, lr 5e-5,
 last block + tied head, 32 new tokens, 128 training completions per arm, 5 families (increment, double, square,
 even, reverse). A near-ceiling model compresses every effect, so these rows do not test the tutorial's regime. The
 rows of rl_screen_tutorial re-run the screen in the tutorial's regime (`configs/experiments/rl_screen_tutorial.yaml`:
 flash-25m from 3 under-trained pre-training checkpoints near 25% greedy pass, 6 RL seeds each, arms paired within a
-seed and so within its checkpoint, the checkpoints as blocks); one difference remains: our RL trains the log-probs at
-the rollout temperature, the tutorial's objective as its reference states it does not.
+seed and so within its checkpoint, the checkpoints as blocks), scored at each run's evaluation after exactly 128
+training completions (`score_at`); differences from the tutorial's screen remain, listed in
+[rl_screen_tutorial](rl_screen_tutorial.md) (the trained objective's temperature, the start's level, model size
+26.5M vs 25.7M, prompt reuse, the evaluation set).
 """
 
 
@@ -283,7 +334,8 @@ OWN_HEADER = """## The lab's own questions
 
 Questions no published result answers (which of our own parts and settings earn their keep), asked the same way: a
 paired comparison with the study's control, judged by the rule for "no difference" at the margin stated per row
-(**equivalent**, **equivalent (a small difference)**, **different**, **inconclusive**). The row numbers continue the
+(**equivalent**, **equivalent (a small difference)**, **different (beyond the margin)**, **different (possibly
+inside the margin)**, **inconclusive**). The row numbers continue the
 table above, and its notes and code commits cover these rows too."""
 
 
@@ -322,6 +374,7 @@ def render(rows: Sequence[Row], generated: str, found_meta: dict[str, dict[str, 
                       "|---|---|---|---|---|---|"]
             lines += [_table_row([str(i), r.claim.claim, r.ours, r.verdict, r.command, r.wall]) for i, r in rows_in]
     notes = [(i, r) for i, r in enumerate(rows, 1) if r.claim.measure or r.claim.earlier or r.claim.margin]
+    shown: set[str] = set()
     if notes:
         lines += ["", "## Notes per row", ""]
         for i, r in notes:
@@ -330,9 +383,13 @@ def render(rows: Sequence[Row], generated: str, found_meta: dict[str, dict[str, 
                 parts.append(r.claim.measure)
             if r.claim.margin:
                 unit = next((m.unit for m in r.study.metrics if m.tag == (r.claim.metric or r.study.primary.tag)), "")
-                parts.append(f"margin for \"no difference\": ±{r.claim.margin:g}{' ' + unit if unit else ''}")
+                parts.append(f"margin for \"no difference\": ±{r.claim.margin:g}{' ' + unit if unit else ''}"
+                             + (f" ({r.claim.margin_reason})" if r.claim.margin_reason else ""))
             if r.claim.earlier:
                 parts.append(f"earlier, smaller run: {r.claim.earlier}")
+            if r.provenance and r.study.name not in shown:
+                shown.add(r.study.name)
+                parts.append(r.provenance.rstrip("."))
             lines.append(f"{i}. {'; '.join(parts)}.")
     code = []
     for name in dict.fromkeys(r.study.name for r in rows if r.comparison is not None):

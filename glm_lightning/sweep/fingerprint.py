@@ -8,7 +8,11 @@ A run's fingerprint covers four parts:
   the arguments) and config files those name in their values;
 - `checkpoints`: the digest of every checkpoint it loads: any `.ckpt`/`.pt`/`.pth`/`.safetensors` path among the
   argument values and the config files' values (`missing` while the file does not exist);
-- `source`: a digest of the package's source (every .py/.cpp/.h file of glm_lightning, callbacks, datamodules).
+- `source`: a digest of the package's source (every .py/.cpp/.h file of glm_lightning, callbacks, datamodules);
+- `environment`: torch's and Lightning's versions and the CPU key (`glm_lightning.machine.cpu_key`: model name and
+  torch's CPU capability), since a seed fixes a result only on one CPU kind with one library build (issue 47);
+- `inputs` (when a study names them, `inputs:` in its file): the digest of files the study's settings were derived
+  from outside any config, e.g. the measured step times its equal-time twins' step counts come from.
 
 `describe_changes` names the parts that differ between two runs, for the sweep's refusal message.
 """
@@ -31,7 +35,7 @@ SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json", ".jsonnet")
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".safetensors")
 MISSING = "missing"
-PARTS = ("arguments", "configs", "checkpoints", "source")
+PARTS = ("arguments", "configs", "checkpoints", "source", "environment")
 
 
 def portable_path(path: Path) -> str:
@@ -173,6 +177,26 @@ def fingerprint_parts(args: Sequence[str]) -> dict[str, Any]:
     }
 
 
+@functools.lru_cache(maxsize=1)
+def environment() -> dict[str, str]:
+    """torch's and Lightning's versions and the CPU key of this machine."""
+    import lightning
+    import torch
+
+    from glm_lightning.machine import cpu_key
+
+    return {"torch": str(torch.__version__), "lightning": str(lightning.__version__), "cpu": cpu_key()}
+
+
+def input_digests(paths: Sequence[str]) -> dict[str, str]:
+    """Digest of each study input (repository-relative path; `missing` when absent)."""
+    out = {}
+    for name in paths:
+        path = REPO_ROOT / name
+        out[name] = file_digest(path)[:16] if path.is_file() else MISSING
+    return out
+
+
 def combine(parts: dict[str, Any]) -> str:
     """The run's fingerprint: one digest of its parts."""
     return _sha(json.dumps(parts, sort_keys=True).encode())[:16]
@@ -194,6 +218,14 @@ def describe_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
                 out.append(f"{label} {name} ({a[name][:8]} -> {b[name][:8]})")
     if old.get("source") != new.get("source"):
         out.append(f"the package source ({str(old.get('source'))[:8]} -> {str(new.get('source'))[:8]})")
+    a_env, b_env = old.get("environment") or {}, new.get("environment") or {}
+    for key in sorted(set(a_env) | set(b_env)):
+        if a_env.get(key) != b_env.get(key):
+            out.append(f"{key} ({a_env.get(key, 'unrecorded')} -> {b_env.get(key, 'unrecorded')})")
+    a_in, b_in = old.get("inputs") or {}, new.get("inputs") or {}
+    for name in sorted(set(a_in) | set(b_in)):
+        if a_in.get(name) != b_in.get(name):
+            out.append(f"study input {name} ({str(a_in.get(name, 'new'))[:8]} -> {str(b_in.get(name, 'gone'))[:8]})")
     return out
 
 

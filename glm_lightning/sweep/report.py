@@ -357,7 +357,9 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
 
     n_pairs = max((c.n for c in primary.comparisons), default=0)
     lines += ["## Method", "",
-              "- Final value = the last logged value of each TensorBoard scalar tag in each run.",
+              ("- Final value = the last logged value of each TensorBoard scalar tag in each run." if study.score_at is None
+               else f"- Scored value = each run's {study.score_at.describe()}: point {study.score_at.evaluation} of "
+                    f"its evaluation curve, not its last logged value. Why: {study.score_at.reason}"),
               "- Per variant: mean across seeds with a Student-t 95% interval; for rates (accuracies, pass rates) "
               "the interval and the chart bands are clipped to the metric's range [0, 1] (x scale).",
               "- Paired comparison against the control on matched seeds: per-seed difference d = variant - control "

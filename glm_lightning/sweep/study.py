@@ -46,13 +46,17 @@ from typing import Any
 import yaml
 
 from glm_lightning.sweep.claims import Claim, parse_claims
-from glm_lightning.sweep.fingerprint import REPO_ROOT, combine, fingerprint_parts, portable_path
+from glm_lightning.sweep.fingerprint import (REPO_ROOT, combine, environment, fingerprint_parts, input_digests,
+                                             portable_path)
+from glm_lightning.sweep.equivalence import Equivalence, parse_equivalences
+from glm_lightning.sweep.score_at import ScoreAt, completions_at, parse_score_at
 
 DEFAULT_SEED_KEYS = ("seed_everything", "data.init_args.seed")
 LOWER_IS_BETTER_SUFFIXES = ("loss", "bpb", "ppl", "perplexity")
 KNOWN_KEYS = {
     "name", "description", "base", "overrides", "variable", "values", "variants", "control", "seeds", "seed_keys",
-    "metrics", "higher_is_better", "budget", "tutorial", "claims", "expected_minutes", "regime", "blocks",
+    "metrics", "higher_is_better", "budget", "tutorial", "claims", "expected_minutes", "regime", "blocks", "score_at",
+    "equivalences", "inputs",
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -112,6 +116,12 @@ class Study:
     expected_minutes: float | None = None
     regime: str = ""
     blocks: dict[str, Block] = field(default_factory=dict)
+    score_at: ScoreAt | None = None
+    """Which evaluation of each run is scored (`sweep.score_at`); None = the last logged value."""
+    equivalences: list[Equivalence] = field(default_factory=list)
+    """Checked equivalences of earlier config texts with the shipped one (`sweep.equivalence`)."""
+    inputs: tuple[str, ...] = ()
+    """Files (repository paths) the study's settings come from outside any config, e.g. measured step times."""
 
     @property
     def primary(self) -> Metric:
@@ -132,20 +142,25 @@ class Study:
         args += overrides_to_args({key: seed for key in self.seed_keys})
         return args
 
-    def identity(self, variant: Variant, seed: int) -> str:
+    def identity(self, variant: Variant, seed: int, base_text: bytes | None = None) -> str:
         """Which run this is: its arguments and the base config's text (the fingerprint of runs recorded before
         fingerprints covered checkpoints and source, and the key of the committed results). The base config is
         named by its path inside the repository (or its file name outside it), so a moved or second checkout
-        recognises the same runs."""
+        recognises the same runs. `base_text`: the identity under another text of the base config (an earlier one,
+        for `sweep.equivalence`)."""
         args = self.run_args(variant, seed)
         args[1] = portable_path(self.base)
         h = hashlib.sha256(json.dumps(args).encode())
-        h.update(self.base.read_bytes())
+        h.update(self.base.read_bytes() if base_text is None else base_text)
         return h.hexdigest()[:16]
 
     def fingerprint_parts(self, variant: Variant, seed: int) -> dict[str, Any]:
-        """What the run depends on (`sweep.fingerprint`): arguments, config texts, checkpoint digests, source."""
-        return fingerprint_parts(self.run_args(variant, seed))
+        """What the run depends on (`sweep.fingerprint`): arguments, config texts, checkpoint digests, source,
+        library versions and CPU, and the study's inputs."""
+        parts = {**fingerprint_parts(self.run_args(variant, seed)), "environment": environment()}
+        if self.inputs:
+            parts["inputs"] = input_digests(self.inputs)
+        return parts
 
     def fingerprint(self, variant: Variant, seed: int) -> str:
         """Changes when anything the run depends on changes (`fingerprint_parts`), and only then."""
@@ -320,6 +335,23 @@ def _parse_blocks(path: Path, raw: Any) -> dict[str, Block]:
     return out
 
 
+def _parse_score_at(path: Path, raw: dict[str, Any], base: Path, overrides: dict[str, Any],
+                    variants: Sequence[Variant]) -> ScoreAt | None:
+    """`score_at:`, with its completions checked in every variant (`sweep.score_at.completions_at`)."""
+    try:
+        score_at = parse_score_at(str(path), raw.get("score_at"))
+        if score_at is None or score_at.completions is None:
+            return score_at
+        for v in variants:
+            n = completions_at(base, {**overrides, **v.overrides}, score_at.evaluation)
+            if n != score_at.completions:
+                raise ValueError(f"{path}: score_at: variant {v.name!r} reaches evaluation {score_at.evaluation} "
+                                 f"after {n} training completions, not {score_at.completions}")
+    except ValueError as err:
+        raise StudyError(str(err)) from None
+    return score_at
+
+
 def load_study(path: str | Path, seeds: int | None = None) -> Study:
     """Read and check a study file (not yet the base config: see `validate_config`). `seeds` overrides the count."""
     path = Path(path)
@@ -406,8 +438,17 @@ def load_study(path: str | Path, seeds: int | None = None) -> Study:
         description=str(raw.get("description") or "").strip(), budget=str(raw.get("budget") or "").strip(),
         tutorial=str(raw.get("tutorial") or "").strip(), seeds_from_count=from_count, raw=raw, claims=claims,
         expected_minutes=None if expected is None else float(expected),
-        regime=str(raw.get("regime") or "").strip(), blocks=blocks,
+        regime=str(raw.get("regime") or "").strip(), blocks=blocks, score_at=_parse_score_at(path, raw, base,
+                                                                                           overrides, variants),
     )
+    inputs = raw.get("inputs") or []
+    if not isinstance(inputs, list) or not all(isinstance(x, str) for x in inputs):
+        raise StudyError(f"{path}: `inputs` must be a list of repository paths")
+    study.inputs = tuple(inputs)
+    try:
+        study.equivalences = parse_equivalences(str(path), raw.get("equivalences"))
+    except ValueError as err:
+        raise StudyError(str(err)) from None
     if seeds is not None:
         study = study.with_seed_count(seeds)
     return study
