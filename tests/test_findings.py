@@ -436,3 +436,25 @@ def test_committed_results_match_the_shipped_study_files(name, tmp_path):
     assert out.rewritten == 0, f"{out.rewritten} committed runs of {name} carry a rewritten identity"
     assert out.stale == 0, f"{out.stale} committed runs of {name} no longer match its shipped config files"
     assert out.results, f"no committed run of {name} matches its shipped config files"
+
+
+def test_the_findings_file_is_not_rewritten_when_only_its_date_would_change(tmp_path):
+    from glm_lightning.sweep.findings import write_unless_only_the_date_changed
+
+    out = tmp_path / "README.md"
+    assert write_unless_only_the_date_changed(out, "| table |\n\n_Generated 2026-12-01 10:00._\n")
+    before = out.read_bytes()
+    assert not write_unless_only_the_date_changed(out, "| table |\n\n_Generated 2026-12-07 09:00._\n")
+    assert out.read_bytes() == before, "byte for byte unchanged"
+    assert write_unless_only_the_date_changed(out, "| new table |\n\n_Generated 2026-12-07 09:00._\n")
+    assert "new table" in out.read_text()
+
+
+def test_findings_twice_leave_the_tracked_table_byte_for_byte_unchanged(tmp_path):
+    shipped = Path(__file__).resolve().parent.parent / "docs" / "results" / "README.md"
+    out = tmp_path / "README.md"
+    out.write_bytes(shipped.read_bytes())
+    logs: list[str] = []
+    main(["--runs", str(tmp_path / "no_runs"), "--out", str(out)], log=logs.append)
+    assert out.read_bytes() == shipped.read_bytes(), "regenerating the committed findings changed more than the date"
+    assert any("unchanged" in line for line in logs)

@@ -122,3 +122,13 @@ def test_mde_beyond_the_metric_range_reads_underpowered(tmp_path):
     row = _row(report, "| interleaved | 6 |")
     assert "none: underpowered" in row and "no effect size reaches 80% power" in row
     assert "no effect within the metric's range reaches 80% power" in report
+
+
+def test_a_quick_sweeps_report_says_its_runs_are_not_the_study_as_shipped():
+    from glm_lightning.sweep.report import quick_mode_note
+
+    assert quick_mode_note("python -m glm_lightning sweep --config configs/experiments/rl_reward.yaml --seeds 2") == []
+    note = " ".join(quick_mode_note("python -m glm_lightning sweep --config c.yaml --seeds 2 --set "
+                                    "trainer.limit_train_batches=1 --set 'data.init_args.eval_per_family=2'"))
+    assert "Not the study as shipped" in note
+    assert "`trainer.limit_train_batches=1`" in note and "`data.init_args.eval_per_family=2`" in note

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -448,9 +449,22 @@ def main(argv: Sequence[str] | None = None, log=print) -> Path:  # noqa: ANN001
     rows, found = build_rows(studies, Path(args.runs).resolve(), Path(args.data))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(rows, time.strftime("%Y-%m-%d %H:%M"), {f.study.name: f.meta for f in found}))
+    changed = write_unless_only_the_date_changed(out, render(rows, time.strftime("%Y-%m-%d %H:%M"),
+                                                             {f.study.name: f.meta for f in found}))
     for f in found:
         log(f"[findings] {f.study.name}: {f.finished}/{f.total} runs of the shipped settings"
             + (f" from {_rel(Path(f.source))}" if f.results else "") + (f", {f.stale} stale" if f.stale else ""))
-    log(f"[findings] wrote {out}")
+    log(f"[findings] wrote {out}" if changed else f"[findings] {out} unchanged (only its date would change)")
     return out
+
+
+GENERATED_LINE = re.compile(r"^_Generated [^\n]*_\.?$", re.MULTILINE)
+
+
+def write_unless_only_the_date_changed(out: Path, text: str) -> bool:
+    """Write the table unless the file already holds it with another `_Generated ..._` date (a tracked file is not
+    rewritten for a timestamp alone); returns whether it wrote."""
+    if out.is_file() and GENERATED_LINE.sub("", out.read_text()) == GENERATED_LINE.sub("", text):
+        return False
+    out.write_text(text)
+    return True

@@ -300,6 +300,20 @@ def block_section(study: Study, a: MetricAnalysis, results: Sequence[RunResult])
     return lines + [""]
 
 
+def quick_mode_note(reproduce: str) -> list[str]:
+    """A line for a report whose runs were changed with `--set` (a quick mode): the study file's description, budget
+    and plan describe the study as shipped, not these runs."""
+    import shlex
+
+    parts = shlex.split(reproduce)
+    settings = [parts[i + 1] for i, part in enumerate(parts[:-1]) if part == "--set"]
+    if not settings:
+        return []
+    return [f"> **Not the study as shipped:** these runs were changed with {', '.join(f'`{s}`' for s in settings)}. "
+            "The description, budget and power plan below are the study file's and describe its own settings, not "
+            "these runs; the setup lists what the runs used.", ""]
+
+
 def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequence[RunResult],
                  charts: Sequence[Path], out_dir: Path, reproduce: str, n_boot: int, elapsed_s: float | None = None,
                  workers: int | None = None) -> Path:
@@ -309,7 +323,7 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
     ok = [r for r in results if r.ok]
     failed = [r for r in results if r.status == "failed"]
     cancelled = [r for r in results if r.status == "cancelled"]
-    lines = [f"# Study `{study.name}`", ""]
+    lines = [f"# Study `{study.name}`", "", *quick_mode_note(reproduce)]
     if study.description:
         lines += [study.description, ""]
     lines += [f"**Primary metric `{primary.metric.tag}`, {len(study.seeds)} seeds per variant:**", ""]
