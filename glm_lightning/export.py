@@ -122,6 +122,11 @@ def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> P
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer_description(), indent=2) + "\n")
         (tmp / "export.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         (tmp / "README.md").write_text(model_card(record, cfg.to_dict(), model.num_parameters(), files))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; an export is for sharing
+        for file in tmp.iterdir():
+            os.chmod(file, 0o666 & ~umask)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

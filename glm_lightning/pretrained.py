@@ -190,7 +190,7 @@ class Pretrained:
 
     def __repr__(self) -> str:
         n = self.model.num_parameters()
-        return f"Pretrained({self.source!r}, preset-size {n['total'] / 1e6:.2f}M parameters, {self.info.get('stage', '?')})"
+        return f"Pretrained({self.source!r}, {n['total'] / 1e6:.2f}M parameters, {self.info.get('stage') or 'stage ?'})"
 
     def sample(self, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
                wrap: bool = True, stop_at_return: bool = True,

@@ -82,3 +82,14 @@ def test_a_checkpoint_of_another_stage_names_both_stages(ckpt, capsys):
     rc = run(["fit", "--config", rl_conf, "--trainer.logger", "false", "--ckpt_path", str(ckpt)])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 2 and "is a pre-training checkpoint (PretrainModule)" in last and "runs RL (RLModule)" in last
+
+
+def test_an_export_folder_is_readable_by_others(ckpt, tmp_path):
+    import os
+    import stat
+
+    out = export(ckpt, tmp_path / "shared")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask for f in out.iterdir())
