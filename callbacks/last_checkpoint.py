@@ -75,7 +75,9 @@ class LastCheckpoint(Callback):
             trainer.save_checkpoint(path, weights_only=False)  # the whole state (a resume needs it); atomic write
             self._saved_step, self.last_path = trainer.global_step, path
             if why:
-                rank_zero_info(f"[last.ckpt] step {trainer.global_step} saved ({why}): {path}")
+                from callbacks.progress import say
+
+                say(trainer, f"[last.ckpt] step {trainer.global_step} saved ({why}): {path}")
         return path
 
     # --- Ctrl-C becomes a stop at the next step boundary --------------------------------------------------------------

@@ -109,3 +109,17 @@ class PlainProgressBar(ProgressBar):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self._enabled:
             print(self.line(trainer, time.perf_counter()) + " (done)", flush=True)
+
+
+def say(trainer: Any, message: str) -> None:
+    """A line from a callback while a rich bar may be live: printed above the bar through the bar's own console (a
+    plain log line would land on the bar's line), else logged as usual. Rank 0 only."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    bar = getattr(trainer, "progress_bar_callback", None)
+    progress = getattr(bar, "progress", None) if isinstance(bar, RichProgressBar) else None
+    if progress is not None and getattr(progress, "live", None) is not None and progress.live.is_started:
+        if trainer.is_global_zero:
+            progress.console.print(message, markup=False, highlight=False)
+        return
+    rank_zero_info(message)
