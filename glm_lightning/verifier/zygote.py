@@ -83,6 +83,7 @@ class Zygote:
         fresh = config.get("fresh_tmpfs_fds")
         self.fresh = (int(fresh[0]), int(fresh[1])) if fresh else None
         self.fresh_paths = [p for p in private if p in (*SHARED_TMP, self.scratch)]
+        self.fresh_sent = False  # the paths go once; later requests are one byte
         for fd in self.fresh or ():
             os.set_inheritable(fd, False)
         wanted = int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES))
@@ -134,7 +135,8 @@ class Zygote:
         assert self.fresh is not None
         request, reply = self.fresh
         try:
-            _write_all(request, json.dumps(self.fresh_paths).encode() + b"\n")
+            _write_all(request, b"r" if self.fresh_sent else json.dumps(self.fresh_paths).encode() + b"\n")
+            self.fresh_sent = True
             ready = select.select([reply], [], [], FRESH_TMPFS_WAIT_S)[0]
             return bool(ready) and os.read(reply, 1) == b"1"
         except OSError:
