@@ -33,7 +33,7 @@ import pytest
 from glm_lightning.verifier import Verifier
 from glm_lightning.verifier.defences import DEFENCES, ENV
 from tests.sandbox_probes import stray_processes
-from tests.test_verifier_kernel import PROBE, T, attack
+from tests.test_verifier_kernel import T, attack
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or os.geteuid() != 0,
                                 reason="raw x86_64 syscall numbers; the uid pool needs root")
