@@ -49,6 +49,7 @@ if pid == 0:  # the DDP-style child: normal interpreter exit at the end (atexit 
     os.close(r)
     if mode == "bypass":  # control: the child believes it owns the pool (what every fork did before issue 46)
         v._pool.owner_pid = os.getpid()
+    assert v.owner_pid != os.getpid() or mode == "bypass"
     try:
         v.check(GOOD, "f", T)
         used = "used"

@@ -33,7 +33,7 @@ import pytest
 from glm_lightning.verifier import Verifier
 from glm_lightning.verifier.defences import DEFENCES, ENV
 from tests.sandbox_probes import stray_processes
-from tests.test_verifier_kernel import PROBE, T, attack
+from tests.test_verifier_kernel import T, attack
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or os.geteuid() != 0,
                                 reason="raw x86_64 syscall numbers; the uid pool needs root")
@@ -59,6 +59,20 @@ FILL = (  # bytes a socket accepts into kernel buffers before it would block
     "def fill(sock):\n    sock.setblocking(False)\n    chunk, total = b'x' * 65536, 0\n    while True:\n"
     "        try:\n            total += sock.send(chunk)\n        except (BlockingIOError, OSError):\n"
     "            return total\n"
+)
+
+
+# The page-cache cases: the sender reads COLD twice (the second pass clears the readahead marker that makes
+# fault-around skip a folio); the receiver maps it with MADV_RANDOM (no readahead of its own), touches one page in
+# every 16 and counts the pages mapped beyond those it touched: fault-around maps only pages already cached.
+WARM_COLD_FILE = attack("def _attack():\n    fd = os.open(PROBE.rsplit('/', 2)[0] + '/turtle.py', os.O_RDONLY)\n"
+                        "    for _ in range(2):\n        os.pread(fd, 1 << 20, 0)\n    return False\n")
+MAP_COLD_FILE = (
+    "def _map_and_touch():\n    fd = os.open(PROBE.rsplit('/', 2)[0] + '/turtle.py', os.O_RDONLY)\n"
+    "    pages = os.fstat(fd).st_size // 4096\n    addr = libc.mmap(None, pages * 4096, 1, 2, fd, 0)\n"
+    "    sc(28, addr, pages * 4096, 1)\n    touched = 0\n"  # MADV_RANDOM
+    "    for page in range(0, pages, 16):\n        ctypes.c_char.from_address(addr + page * 4096).value\n"
+    "        touched += 1\n    return addr, pages, touched\n"
 )
 
 
@@ -192,27 +206,20 @@ CASES = [
                          "socketpair (asyncio), seccomp cannot hide st_ino, and Linux has no per-namespace "
                          "pseudo-inode numbers: open, see docs/verifier.md"),
     # 6. page-cache residency of shared files without mincore ---------------------------------------------------
-    Case("residency_through_pagemap_after_prctl_dumpable", 6, "sequential",
-         attack("def _attack():\n    fd = os.open(PROBE.rsplit('/', 2)[0] + '/turtle.py', os.O_RDONLY)\n"
-                "    os.pread(fd, 1 << 20, 0)\n    return False\n"),
-         attack("def _attack():\n    sc(157, 4, 1, 0, 0, 0)\n"  # prctl(PR_SET_DUMPABLE, 1)
-                "    fd = os.open(PROBE.rsplit('/', 2)[0] + '/turtle.py', os.O_RDONLY)\n"
-                "    addr = libc.mmap(None, 16 * 4096, 1, 2, fd, 0)\n    sc(28, addr, 16 * 4096, 1)\n"  # MADV_RANDOM
-                "    ctypes.c_char.from_address(addr).value\n"
+    Case("residency_through_pagemap_after_prctl_dumpable", 6, "sequential", WARM_COLD_FILE,
+         attack(MAP_COLD_FILE + "def _attack():\n    sc(157, 4, 1, 0, 0, 0)\n"  # prctl(PR_SET_DUMPABLE, 1)
+                "    addr, pages, touched = _map_and_touch()\n"
                 "    with open('/proc/self/pagemap', 'rb') as fh:\n        fh.seek(addr // 4096 * 8)\n"
-                "        data = fh.read(16 * 8)\n"
-                "    present = [int.from_bytes(data[i:i + 8], 'little') >> 63 for i in range(8, 128, 8)]\n"
-                "    return sum(present) >= 4\n"),
+                "        data = fh.read(pages * 8)\n"
+                "    present = sum(int.from_bytes(data[i:i + 8], 'little') >> 63 for i in range(0, len(data), 8))\n"
+                "    return present - touched >= 4\n"),
          [("prctl", False), ("prctl,resident_root", True)], workers=1, cold=True),
-    Case("residency_through_fault_around_in_smaps", 6, "sequential",
-         attack("def _attack():\n    fd = os.open(PROBE.rsplit('/', 2)[0] + '/turtle.py', os.O_RDONLY)\n"
-                "    os.pread(fd, 1 << 20, 0)\n    return False\n"),
-         attack("def _attack():\n    fd = os.open(PROBE.rsplit('/', 2)[0] + '/turtle.py', os.O_RDONLY)\n"
-                "    addr = libc.mmap(None, 16 * 4096, 1, 2, fd, 0)\n    sc(28, addr, 16 * 4096, 1)\n"
-                "    ctypes.c_char.from_address(addr).value\n    start = '%x-' % addr\n    rss, inside = 0, False\n"
+    Case("residency_through_fault_around_in_smaps", 6, "sequential", WARM_COLD_FILE,
+         attack(MAP_COLD_FILE + "def _attack():\n    addr, pages, touched = _map_and_touch()\n"
+                "    start, rss, inside = '%x-' % addr, 0, False\n"
                 "    for line in open('/proc/self/smaps'):\n        if '-' in line.split()[0]:\n"
                 "            inside = line.startswith(start)\n        elif inside and line.startswith('Rss:'):\n"
-                "            rss = int(line.split()[1])\n    return rss >= 5 * 4\n"),
+                "            rss = int(line.split()[1]) // 4\n    return rss - touched >= 4\n"),
          [("resident_root", True)], workers=1, cold=True),
     # 7. host disk effects from read-only descriptors -----------------------------------------------------------
     Case("fsync_storm_on_a_read_only_host_file", 7, "single", None,
@@ -334,7 +341,7 @@ def attack_worked(case: Case, v: Verifier) -> tuple[bool, list[str]]:
     if case.disk:  # when it works: ~240 flushes/s, or hundreds of MiB/s read, on this VM's disk; idle: ~0
         delta = host_disk(case.disk) - disk
         details.append(f"host disk {case.disk} during the case: {delta}")
-        seen = delta >= (150 if case.disk == "flushes" else 64 * MIB // 512)
+        seen = delta >= (100 if case.disk == "flushes" else 64 * MIB // 512)
     assert stray_processes() == []
     assert v.check(*LEGIT).passed, "a legitimate candidate failed after the case"
     return seen, details

@@ -10,8 +10,9 @@ shares none of it; the old one is detached (`umount2(MNT_DETACH)`) and freed wit
 Mounting needs CAP_SYS_ADMIN and the `mount` syscall, which the seccomp filter refuses to the zygote and to every
 candidate. The launcher's waiting parent is the one process of the server outside that filter (it forked the zygote
 before the filter was loaded) and root in the server's mount namespace (pivot_root moved its root too), so the
-zygote asks it through a pipe: one JSON line with the paths, one byte back ("1": done, "0": failed: the zygote then
-retires and the parent starts a fresh server). Only paths of the launcher's own table are accepted.
+zygote asks it through a pipe: first one JSON line with the paths, then one byte "r" per job ("the same again");
+one byte back ("1": done, "0": failed: the zygote then retires and the parent starts a fresh server). Only paths of
+the launcher's own table are accepted.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def remount(mount: Callable[..., None], umount: Callable[[str], None], paths: li
         for path in wanted:
             size, inodes = specs[path]
             mode = 0o711 if path == work_dir else 0o1777
-            os.makedirs(path, 0o711 if path == work_dir else 0o755, exist_ok=True)
+            if path == work_dir:  # its mount point lives in the new /tmp
+                try:
+                    os.mkdir(path, 0o711)
+                except FileExistsError:
+                    pass
             mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                   f"size={size},nr_inodes={inodes},mode={mode:o}")
     except OSError:
@@ -53,7 +58,7 @@ def serve(child: int, requests: int, replies: int, do_remount: Callable[[list[st
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    watched, pending = [wake_r, requests], b""
+    watched, pending, paths = [wake_r, requests], b"", None
     while True:
         done, status = os.waitpid(child, os.WNOHANG)
         if done:
@@ -74,20 +79,26 @@ def serve(child: int, requests: int, replies: int, do_remount: Callable[[list[st
                 watched.remove(requests)
                 continue
             pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                ok = _answer(line, do_remount)
+            while pending:
+                if pending[:1] == b"r":  # the same paths as last time
+                    pending, ok = pending[1:], paths is not None and do_remount(paths)
+                elif b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    paths = _paths(line)
+                    ok = paths is not None and do_remount(paths)
+                else:
+                    break
                 try:
                     os.write(replies, b"1" if ok else b"0")
                 except OSError:
                     pass
 
 
-def _answer(line: bytes, do_remount: Callable[[list[str]], bool]) -> bool:
+def _paths(line: bytes) -> list[str] | None:
     try:
         paths: Any = json.loads(line)
     except ValueError:
-        return False
+        return None
     if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-        return False
-    return do_remount(paths)
+        return None
+    return paths

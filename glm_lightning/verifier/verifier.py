@@ -90,6 +90,12 @@ class Verifier:
     def closed(self) -> bool:
         return not self._finalizer.alive
 
+    @property
+    def owner_pid(self) -> int:
+        """The process that created this Verifier and owns its servers; a forked child (os.getpid() differs) must
+        build its own (using this one raises ForeignProcessError)."""
+        return self._pool.owner_pid
+
     def __getstate__(self) -> None:
         raise TypeError("a Verifier cannot be pickled (it owns sandbox servers of this process); create one in "
                         "each worker process instead")

@@ -83,6 +83,8 @@ class Zygote:
         fresh = config.get("fresh_tmpfs_fds")
         self.fresh = (int(fresh[0]), int(fresh[1])) if fresh else None
         self.fresh_paths = [p for p in private if p in (*SHARED_TMP, self.scratch)]
+        self.fresh_sent = False  # the paths go once; later requests are one byte
+        self.fresh_pending = False
         for fd in self.fresh or ():
             os.set_inheritable(fd, False)
         wanted = int(config.get("max_result_bytes", DEFAULT_MAX_RESULT_BYTES))
@@ -117,7 +119,7 @@ class Zygote:
         """Remove everything the candidate could have left: processes, its directory, the shared temp dirs."""
         self._kill_everything()
         if self.fresh is not None:  # new tmpfs instances: nothing of this job's superblocks reaches the next job
-            return self._fresh_tmpfs()
+            return self._request_fresh_tmpfs()  # awaited before the next fork, so it overlaps with the reply
         ok = cleanup.remove_tree(workdir)
         for path in self.wipe_dirs:
             if self._stamp(path) == self.clean_stamp.get(path):
@@ -129,14 +131,26 @@ class Zygote:
             ok = _sweep_owned(path, self.config["uid"], self.sandbox_uids) and ok
         return ok
 
-    def _fresh_tmpfs(self) -> bool:
-        """Ask the launcher (outside the seccomp filter) to replace every private tmpfs; False if it could not."""
+    def _request_fresh_tmpfs(self) -> bool:
+        """Ask the launcher (outside the seccomp filter) to replace every private tmpfs; `await_fresh_tmpfs` reads
+        its answer. False if the request could not be sent."""
         assert self.fresh is not None
-        request, reply = self.fresh
         try:
-            _write_all(request, json.dumps(self.fresh_paths).encode() + b"\n")
-            ready = select.select([reply], [], [], FRESH_TMPFS_WAIT_S)[0]
-            return bool(ready) and os.read(reply, 1) == b"1"
+            _write_all(self.fresh[0], b"r" if self.fresh_sent else json.dumps(self.fresh_paths).encode() + b"\n")
+        except OSError:
+            return False
+        self.fresh_sent = self.fresh_pending = True
+        return True
+
+    def await_fresh_tmpfs(self) -> bool:
+        """The launcher's answer to the last request (True if none is pending); False: the tmpfs were not replaced,
+        so no further job may run in this server."""
+        if not self.fresh_pending or self.fresh is None:
+            return True
+        self.fresh_pending = False
+        try:
+            ready = select.select([self.fresh[1]], [], [], FRESH_TMPFS_WAIT_S)[0]
+            return bool(ready) and os.read(self.fresh[1], 1) == b"1"
         except OSError:
             return False
 
@@ -194,7 +208,9 @@ class Zygote:
         header["cleanup_ok"] = self._cleanup(workdir, t_fork)
         header["t_done"] = time.monotonic()
         self._reply(header)
-        return header["cleanup_ok"]  # if anything survived cleanup, exit: the parent starts a fresh namespace
+        # If anything survived cleanup, exit: the parent starts a fresh namespace. A failed tmpfs replacement is
+        # learnt after the reply; the next job (still in the pipe) then fails as "sandbox server exited".
+        return header["cleanup_ok"] and self.await_fresh_tmpfs()
 
     def _collect(self, pid: int, res_r: int, deadline: float) -> dict[str, Any]:
         """Move the child's bytes into the staging pipe until it exits, overflows or runs out of time."""
@@ -330,6 +346,9 @@ class Zygote:
             data += chunk
         self._finish(pid, read_fd)
         self._cleanup(workdir, 0.0)
+        if not self.await_fresh_tmpfs():
+            report = {"error": "the launcher could not replace the private tmpfs"}
+            return report
         try:
             report = json.loads(data.decode().splitlines()[0])
         except (ValueError, IndexError):
