@@ -19,6 +19,7 @@ them under each stage (`--print_config`, `--help`), because jsonargparse follows
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,8 @@ class StageModule(pl.LightningModule):
     @property
     def verifier(self) -> Any:
         """The stage's sandboxed verifier, started on first use; None for a stage without `verifier_settings`."""
+        if self._verifier is not None and getattr(self._verifier, "owner_pid", os.getpid()) != os.getpid():
+            self._verifier = None  # a fork (DDP, dataloader workers) inherited the parent's, which refuses it: own one
         if self._verifier is None and self.verifier_settings is not None:
             self._verifier = self.verifier_settings.build()
         return self._verifier
