@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> list[StageResult]:
     threads, how = resolve_threads(args.threads)
     what = "checking the stage configs" if args.dry_run else f"running {' -> '.join(stages_wanted)}"
     print(f"[demo] {what} with {threads} thread{'s' if threads != 1 else ''} ({how})", flush=True)
-    warning = None if str(args.threads).lower() == "auto" else busy_warning(threads)
+    warning = None if args.dry_run or str(args.threads).lower() == "auto" else busy_warning(threads)
     if warning:
         print(f"[demo] warning: {warning}", flush=True)
     root = SMOKE_ROOT if args.smoke else ROOT

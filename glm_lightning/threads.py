@@ -102,9 +102,9 @@ def resolve_threads(spec: int | str | None, env: dict[str, str] | None = None) -
                 return max(1, int(omp)), "OMP_NUM_THREADS"
             except ValueError:
                 raise ValueError(f"OMP_NUM_THREADS must be a whole number, got {omp!r}") from None
-        return available_cores(), "this machine's cores (--threads N fixes another count)"
+        return available_cores(), "this machine's cores; --threads N fixes another count"
     if str(spec).strip().lower() == AUTO:
-        return choose_threads(), "auto: the cores idle at start (load-dependent; --threads N fixes the count)"
+        return choose_threads(), "auto: the cores idle at start, load-dependent; --threads N fixes the count"
     try:
         n = int(spec)
     except (TypeError, ValueError):
