@@ -436,3 +436,18 @@ def test_committed_results_match_the_shipped_study_files(name, tmp_path):
     assert out.rewritten == 0, f"{out.rewritten} committed runs of {name} carry a rewritten identity"
     assert out.stale == 0, f"{out.stale} committed runs of {name} no longer match its shipped config files"
     assert out.results, f"no committed run of {name} matches its shipped config files"
+
+
+def test_the_table_states_table_wide_error_control(tmp_path):
+    """Issue 47: the table says that no table-wide error control is possible at its seed counts and which rows
+    survive Holm over every row's p (recomputed here from the rows' own p's)."""
+    from glm_lightning.stats import holm
+    from glm_lightning.sweep.findings import STUDIES, build_rows, table_wide_note
+
+    studies = [load_study(EXPERIMENTS / f"{s}.yaml") for s in STUDIES]
+    rows, _ = build_rows(studies, tmp_path / "runs", EXPERIMENTS.parents[1] / "docs" / "results" / "data", save=False)
+    tested = [(i, r.comparison.p) for i, r in enumerate(rows, 1) if r.comparison is not None and r.comparison.n]
+    survivors = [str(i) for (i, _), p in zip(tested, holm([p for _, p in tested])) if p < 0.05]
+    note = table_wide_note(rows)
+    assert f"Over all {len(tested)} rows" in note and "no table-wide error control is possible" in note
+    assert f"whole table: {', '.join(survivors) if survivors else 'none'};" in note

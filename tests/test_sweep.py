@@ -97,7 +97,7 @@ def test_results_file_saves_every_finished_run(tiny_sweep):
     for variant, seed in RUNS:
         done = _done(out, variant, seed)
         assert by_key[variant, seed]["fingerprint"] == done["fingerprint"]
-        assert set(done["parts"]) == {"arguments", "configs", "checkpoints", "source"}
+        assert set(done["parts"]) == {"arguments", "configs", "checkpoints", "source", "environment"}
         assert done["git"] == git_revision() == by_key[variant, seed]["git"]  # the commit each run ran at
         assert by_key[variant, seed]["final"] == {t: done["final"][t] for t in ("val/completion_acc", "val/loss")}
 

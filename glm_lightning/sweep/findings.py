@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from glm_lightning.stats import format_p, holm, tost_sign_flip
+from glm_lightning.stats import format_p, holm, min_attainable_p, tost_sign_flip
 from glm_lightning.sweep.analysis import Comparison, MetricAnalysis, analyse
 from glm_lightning.sweep.claims import Claim, Verdict, judge
 from glm_lightning.sweep.equivalence import Equivalence
@@ -353,6 +353,26 @@ def own_sections(own: Sequence[tuple[int, Row]]) -> list[tuple[str, list[tuple[i
         ("Numerics and settings", rest)) if rows]
 
 
+def table_wide_note(rows: Sequence[Row]) -> str:
+    """Error control across the whole table (issue 47): each row's p is adjusted only within its study, so with this
+    many rows some "different" verdicts are expected by chance; Holm over every row's unadjusted difference-test p
+    says which survive, and the exact test's smallest p at each row's seeds says which rows never could."""
+    tested = [(i, r.comparison) for i, r in enumerate(rows, 1)
+              if r.comparison is not None and r.comparison.n > 0 and math.isfinite(r.comparison.p)]
+    if not tested:
+        return ""
+    m = len(tested)
+    adjusted = holm([c.p for _, c in tested])
+    survive = [str(i) for (i, _), p in zip(tested, adjusted) if p < 0.05]
+    never = sum(1 for _, c in tested if min_attainable_p(c.n) >= 0.05 / m)
+    return (f"**Error control across the table.** Each row's p is Holm-adjusted within its study only. Over all {m} "
+            f"rows with a result, Holm's first step needs p < 0.05/{m} = {0.05 / m:.1e}; the exact sign-flip test "
+            f"cannot go below 2/2^n (at 10 seeds 2/1024 = 2.0e-03), so {never} of the {m} rows could never "
+            f"pass it, and no table-wide error control is possible at these seed counts. Rows whose difference "
+            f"survives Holm over the whole table: {', '.join(survive) if survive else 'none'}; every other "
+            f"'different', 'refuted' or 'reproduced (an effect)' verdict holds per study, not table-wide.")
+
+
 def _table_row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
 
@@ -373,6 +393,7 @@ def render(rows: Sequence[Row], generated: str, found_meta: dict[str, dict[str, 
             lines += ["", f"### {title}", "", "| # | question | ours (effect, 95% CI, p, n) | verdict | command | wall time |",
                       "|---|---|---|---|---|---|"]
             lines += [_table_row([str(i), r.claim.claim, r.ours, r.verdict, r.command, r.wall]) for i, r in rows_in]
+    lines += ["", table_wide_note(rows)]
     notes = [(i, r) for i, r in enumerate(rows, 1) if r.claim.measure or r.claim.earlier or r.claim.margin]
     shown: set[str] = set()
     if notes:

@@ -56,7 +56,7 @@ LOWER_IS_BETTER_SUFFIXES = ("loss", "bpb", "ppl", "perplexity")
 KNOWN_KEYS = {
     "name", "description", "base", "overrides", "variable", "values", "variants", "control", "seeds", "seed_keys",
     "metrics", "higher_is_better", "budget", "tutorial", "claims", "expected_minutes", "regime", "blocks", "score_at",
-    "equivalences", "inputs",
+    "equivalences", "inputs", "power_plan",
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -121,6 +121,8 @@ class Study:
     equivalences: list[Equivalence] = field(default_factory=list)
     """Checked equivalences of earlier config texts with the shipped one (`sweep.equivalence`)."""
     inputs: tuple[str, ...] = ()
+    power_note: str = ""
+    """What the power plan said before this invocation ran (`sweep.plan`), shown in the report's Setup."""
     """Files (repository paths) the study's settings come from outside any config, e.g. measured step times."""
 
     @property
