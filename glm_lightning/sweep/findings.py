@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from glm_lightning.stats import format_p, holm, min_attainable_p, tost_sign_flip
-from glm_lightning.sweep.analysis import Comparison, MetricAnalysis, analyse
+from glm_lightning.sweep.analysis import Comparison, MetricAnalysis, analyse, study_cpus
 from glm_lightning.sweep.claims import Claim, Verdict, judge
 from glm_lightning.sweep.equivalence import Equivalence
 from glm_lightning.sweep.fingerprint import portable_path, source_digest
@@ -271,6 +271,12 @@ def code_note(found: StudyResults) -> str:
     note = ""
     if sources - {now}:
         note = f"; runs made at other code than now (git {', '.join(gits) or 'unrecorded'})"
+    cpus = study_cpus(found.results)
+    if cpus:
+        note += f"; CPU {', '.join(cpus)}"
+    else:
+        stated = found.study.cpu
+        note += f"; CPU not recorded per run{f' (the study states: {stated})' if stated else ''}"
     n_equiv = sum(len(v) for v in found.equivalent.values())
     if n_equiv:
         note += f"; {n_equiv} of them count through an equivalence record (notes)"
