@@ -57,10 +57,23 @@ class ClaimPlan:
                 f"{self.power:.2f}" + ("" if self.reachable else " -- CANNOT REACH"))
 
 
+def _scored_evaluation(study: Study, source: str) -> int | None:
+    """The evaluation the source study scores (its `score_at`), so the SD is of the values its rows compare."""
+    if source == study.name:
+        return study.score_at.evaluation if study.score_at is not None else None
+    path = REPO_ROOT / "configs" / "experiments" / f"{source}.yaml"
+    if not path.is_file():
+        return None
+    from glm_lightning.sweep.study import load_study
+
+    other = load_study(path)
+    return other.score_at.evaluation if other.score_at is not None else None
+
+
 def _source_values(study: Study, source: str, tag: str, scale: float) -> dict[str, dict[int, float]]:
     data = json.loads((DATA_DIR / f"{source}.json").read_text())
     out: dict[str, dict[int, float]] = {}
-    k = study.score_at.evaluation if study.score_at is not None and source == study.name else None
+    k = _scored_evaluation(study, source)
     for run in data.get("runs", []):
         value = point((run.get("curves") or {}).get(tag), k) if k is not None else (run.get("final") or {}).get(tag)
         if value is not None and math.isfinite(value):
