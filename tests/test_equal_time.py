@@ -28,3 +28,23 @@ def test_a_verdict_changing_inside_the_band_is_named():
     assert "verdict flips inside the band" in render("s", [row])[-2]
     steady = [EqualTime("arm", f, 10, -9.0, -12.0, -6.0, 0.01, 0.01) for f in BAND]
     assert render("s", [steady])[-2].endswith("| stable |")
+
+
+def test_too_few_overlapping_seeds_is_not_a_verdict_and_not_a_flip():
+    row = [EqualTime("arm", 0.9, 10, -9.0, -12.0, -6.0, 0.01, 0.01), EqualTime("arm", 1.0, 10, -8.0, -11.0, -5.0,
+                                                                               0.01, 0.01),
+           EqualTime("arm", 1.1, 1, 3.0, float("nan"), float("nan"), 1.0, 1.0)]
+    assert row[2].word.startswith("too few seeds overlap")
+    assert render("s", [row])[-2].endswith("| stable |")
+
+
+def test_a_findings_row_of_an_equal_time_twin_carries_the_band():
+    from glm_lightning.sweep.equal_time import MIN_SEEDS, study_equal_time
+    from glm_lightning.sweep.findings import equal_time_note
+
+    rows = {row[0].arm: row for row in study_equal_time("ablation_mixer")}
+    twin = rows["dense_attention_equal_time"]
+    flips = len({r.word for r in twin if r.n >= MIN_SEEDS}) > 1
+    note = equal_time_note("ablation_mixer", "dense_attention_equal_time")
+    assert ("flips inside the band" in note) == flips and "equal_time.md" in note
+    assert equal_time_note("ablation_mixer", "dense_attention") == ""  # equal-steps rows carry no time note

@@ -27,6 +27,8 @@ from glm_lightning.sweep.study import REPO_ROOT, load_study
 
 BAND = (0.9, 1.0, 1.1)
 """Factors on the arm's seconds per step: the ±10% step-time noise band."""
+MIN_SEEDS = 6
+"""Fewer overlapping seeds cannot give p < 0.05 with the exact test: such a cell is not a verdict."""
 DATA = REPO_ROOT / "docs" / "results" / "data"
 EXPERIMENTS = REPO_ROOT / "configs" / "experiments"
 
@@ -71,6 +73,8 @@ class EqualTime:
     def word(self) -> str:
         if self.n == 0 or math.isnan(self.p_holm):
             return "n/a"
+        if self.n < MIN_SEEDS:
+            return f"too few seeds overlap (n={self.n})"
         return ("arm better" if self.mean > 0 else "arm worse") if self.p_holm < 0.05 else "no significant difference"
 
 
@@ -114,7 +118,7 @@ def render(name: str, table: list[list[EqualTime]]) -> list[str]:
                 continue
             ci = f" [{r.lo:+.1f}, {r.hi:+.1f}]" if math.isfinite(r.lo) else ""
             cells.append(f"{r.mean:+.1f}{ci}, Holm p={format_p(r.p_holm)}, n={r.n}, at {r.minutes:.1f} min: {r.word}")
-        words = {r.word for r in row if r.n}
+        words = {r.word for r in row if r.n >= MIN_SEEDS}
         flips = "verdict flips inside the band" if len(words) > 1 else "stable" if words else "n/a"
         lines.append(f"| {row[0].arm} | " + " | ".join(cells) + f" | {flips} |")
     return lines + [""]

@@ -15,6 +15,7 @@ folder never mixes runs of different inputs unless told to, see `runner.stale_ru
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -258,8 +259,36 @@ def claim_row(claim: Claim, found: StudyResults) -> Row:
         ours += f"; TOST ±{claim.margin:g}: p={format_p(p_equiv)}{holm_note}"
     verdict = judge(claim, diff, lo, hi, p, mde, p_equiv)
     word = verdict.word if not partial else f"{verdict.word} (so far)"
+    ours += equal_time_note(study.name, claim.variant)
     return Row(claim, study, ours + partial + code_note(found), f"**{word}**: {verdict.why}", command, _wall(found),
                comp, verdict, provenance_note(found))
+
+
+@functools.lru_cache(maxsize=None)
+def _equal_time_table(name: str) -> dict[str, list[Any]]:
+    from glm_lightning.sweep.equal_time import study_equal_time
+
+    try:
+        return {row[0].arm: row for row in study_equal_time(name)}
+    except (OSError, KeyError, ValueError, StudyError):
+        return {}
+
+
+def equal_time_note(study: str, variant: str) -> str:
+    """For an equal-time twin's row: the same question asked from the runs' own minutes with the step time ±10%
+    (`sweep.equal_time`, docs/results/equal_time.md), and whether the verdict flips inside that band (issue 47)."""
+    if not variant.endswith("_equal_time"):
+        return ""
+    row = _equal_time_table(study).get(variant)
+    if not row:
+        return ""
+    from glm_lightning.sweep.equal_time import MIN_SEEDS
+
+    words = [r.word if r.n else "no overlap" for r in row]
+    known = {r.word for r in row if r.n >= MIN_SEEDS}
+    state = "flips inside the band" if len(known) > 1 else "stable" if known else "not computable"
+    return (f"; from the runs' own minutes, step time x0.9/x1/x1.1: {' / '.join(words)} ({state}; "
+            f"[equal_time.md](equal_time.md))")
 
 
 def code_note(found: StudyResults) -> str:
