@@ -10,6 +10,11 @@ significant". (Which effects the data exclude comes from the confidence interval
   * Otherwise the paired t-test's power (noncentral t, df = n - 1, noncentrality delta sqrt(n) / sd), which the
     permutation test approaches as n grows; in simulation the permutation test has 0.75-0.80 power at this MDE
     for 7-16 seeds, also at alpha/2 (tests/test_power.py), so the stated MDE is slightly optimistic at 7-10 seeds.
+- `tost_power` / `tost_seeds`: the equivalence test at ±margin (two one-sided sign-flip tests, `stats.tost_sign_flip`)
+  on n paired differences ~ Normal(effect, sd): 0 while the one-sided test cannot reach p < alpha (1/2^n >= alpha),
+  else the paired-t TOST power with a known SD, Phi((m - t se - effect)/se) - Phi((-m + t se - effect)/se), se =
+  sd/sqrt(n), t the one-sided t quantile (the SD is estimated from a pilot or an earlier study: approximate). Used
+  to plan the seeds an equivalence claim needs before a study runs (`glm_lightning.sweep.plan`).
 - `mcnemar_power` / `mcnemar_mde`: paired binary outcomes (pass/fail of two checkpoints on the same n problems),
   exact McNemar test; power summed exactly over the number of discordant problems and their split.
 
@@ -28,7 +33,7 @@ from scipy import stats as sps
 
 from glm_lightning.stats import min_attainable_p
 
-__all__ = ["sign_flip_power", "sign_flip_mde", "mcnemar_power", "mcnemar_mde", "POWER"]
+__all__ = ["sign_flip_power", "sign_flip_mde", "tost_power", "tost_seeds", "mcnemar_power", "mcnemar_mde", "POWER"]
 
 POWER = 0.8
 
@@ -82,6 +87,26 @@ def sign_flip_mde(n: int, sd: float = 1.0, alpha: float = 0.05, power: float = P
     hi = (float(sps.t.ppf(1 - alpha / 2, df)) + 4.0) / math.sqrt(n)  # power(hi) > 0.99
     z = optimize.brentq(lambda x: _t_power(x, n, alpha) - power, 0.0, hi, xtol=1e-10)
     return sd * float(z)
+
+
+def tost_power(margin: float, sd: float, n: int, alpha: float = 0.05, effect: float = 0.0) -> float:
+    """Probability that the equivalence test at ±margin shows equivalence with n paired seeds (module doc)."""
+    _check(alpha, 0.5)
+    if not margin > 0 or not sd > 0 or n < 2:
+        raise ValueError(f"need margin > 0, sd > 0 and n >= 2, got {margin}, {sd}, {n}")
+    if 0.5 ** n >= alpha:  # the one-sided exact test's smallest p is 1/2^n
+        return 0.0
+    se = sd / math.sqrt(n)
+    t = float(sps.t.ppf(1 - alpha, n - 1))
+    if margin <= t * se:
+        return 0.0
+    return float(max(0.0, sps.norm.cdf((margin - t * se - effect) / se) - sps.norm.cdf((-margin + t * se - effect) / se)))
+
+
+def tost_seeds(margin: float, sd: float, alpha: float = 0.05, power: float = POWER, max_n: int = 1000) -> int | None:
+    """Fewest paired seeds with `tost_power` >= power when the true difference is 0 (None: more than max_n)."""
+    _check(alpha, power)
+    return next((n for n in range(2, max_n + 1) if tost_power(margin, sd, n, alpha) >= power), None)
 
 
 @functools.lru_cache(maxsize=None)

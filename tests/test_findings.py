@@ -458,3 +458,18 @@ def test_findings_twice_leave_the_tracked_table_byte_for_byte_unchanged(tmp_path
     main(["--runs", str(tmp_path / "no_runs"), "--out", str(out)], log=logs.append)
     assert out.read_bytes() == shipped.read_bytes(), "regenerating the committed findings changed more than the date"
     assert any("unchanged" in line for line in logs)
+
+
+def test_the_table_states_table_wide_error_control(tmp_path):
+    """Issue 47: the table says that no table-wide error control is possible at its seed counts and which rows
+    survive Holm over every row's p (recomputed here from the rows' own p's)."""
+    from glm_lightning.stats import holm
+    from glm_lightning.sweep.findings import STUDIES, build_rows, table_wide_note
+
+    studies = [load_study(EXPERIMENTS / f"{s}.yaml") for s in STUDIES]
+    rows, _ = build_rows(studies, tmp_path / "runs", EXPERIMENTS.parents[1] / "docs" / "results" / "data", save=False)
+    tested = [(i, r.comparison.p) for i, r in enumerate(rows, 1) if r.comparison is not None and r.comparison.n]
+    survivors = [str(i) for (i, _), p in zip(tested, holm([p for _, p in tested])) if p < 0.05]
+    note = table_wide_note(rows)
+    assert f"Over all {len(tested)} rows" in note and "no table-wide error control is possible" in note
+    assert f"whole table: {', '.join(survivors) if survivors else 'none'};" in note

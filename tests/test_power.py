@@ -121,3 +121,24 @@ def test_mcnemar_mde():
     assert mcnemar_mde(256, 0.2) < mde  # more problems, smaller MDE
     # 5 problems: at most 5 discordant, p >= 2/32 -> never significant
     assert math.isinf(mcnemar_mde(5, 1.0)) and math.isinf(mcnemar_mde(50, 0.0))
+
+
+def _tost_rate(margin: float, n: int, alpha: float, seed: int = 0) -> float:
+    from glm_lightning.stats import tost_sign_flip
+
+    rng = np.random.default_rng(seed)
+    draws = rng.normal(0.0, 1.0, size=(400, n))
+    return float(np.mean([tost_sign_flip(d, margin, n_perm=2000) < alpha for d in draws]))
+
+
+def test_tost_power_against_simulation_of_the_sign_flip_equivalence_test():
+    """The planned power of the equivalence test is close to the simulated rejection rate of the test the reports
+    run (400 draws: SE 0.02 near 0.8; the formula uses a known SD, so it may be a little optimistic)."""
+    from glm_lightning.power import tost_power, tost_seeds
+
+    n = tost_seeds(1.0, 1.0)
+    assert n is not None and tost_power(1.0, 1.0, n) >= 0.8 > tost_power(1.0, 1.0, n - 1)
+    simulated = _tost_rate(1.0, n, 0.05)
+    assert 0.65 <= simulated <= 0.95, (n, simulated)
+    assert tost_power(1.0, 1.0, 4) == 0.0  # 1/2^4 > 0.05: the one-sided exact test can never reject
+    assert tost_seeds(0.5, 1.0) > tost_seeds(1.0, 1.0)  # a tighter margin needs more seeds

@@ -169,3 +169,31 @@ def test_recorded_and_reproduced_seed_counts_are_per_block(tmp_path):
     record_arguments(tmp_path / "out", args, study)
     assert json.loads((tmp_path / "out" / SWEEP_FILE).read_text())["seeds"] == 2
     assert "--seeds 2 " in reproduce_command(args, study, 2)
+
+
+def test_the_objective_study_runs_at_a_completion_budget_and_is_planned(tmp_path, monkeypatch, capsys):
+    """rl_screen_tutorial_t1 (issue 47): every arm trains at T 1 and ends after 128 completions (a budget, not steps),
+    its seeds reach the power plan's need, and it parses from starts at the documented paths."""
+    import torch
+
+    from glm_lightning.model import GLMConfig, GLMModel
+    from glm_lightning.sweep.cli import run_sweep
+    from glm_lightning.sweep.plan import plan_claims
+
+    path = REPO_ROOT / "configs" / "experiments" / "rl_screen_tutorial_t1.yaml"
+    study = load_study(path)
+    base = yaml.safe_load(study.base.read_text())
+    assert base["trainer"]["max_steps"] == -1 and base["model"]["init_args"]["budget"] == {"completions": 128}
+    assert study.overrides == {"model.init_args.loss.train_temperature": 1.0}
+    plans, note = plan_claims(study)
+    assert not note and all(p.reachable for p in plans)
+    monkeypatch.chdir(tmp_path)
+    cfg = GLMConfig.preset("flash-25m")
+    state = {f"model.{k}": v for k, v in GLMModel(cfg).state_dict().items()}
+    (tmp_path / "runs" / "starts").mkdir(parents=True)
+    torch.save({"glm_config": cfg.to_dict(), "state_dict": state}, tmp_path / "runs" / "starts" / "pt0.ckpt")
+    for k in (1, 2):
+        (tmp_path / "runs" / "starts" / f"pt{k}.ckpt").hardlink_to(tmp_path / "runs" / "starts" / "pt0.ckpt")
+    run_sweep(["--config", str(path), "--out", str(tmp_path / "sweeps"), "--dry-run", "--seeds", "1"])
+    out = capsys.readouterr().out
+    assert out.count("python -m glm_lightning fit") == 9 and "train_temperature=1.0" in out

@@ -22,7 +22,7 @@ from glm_lightning.stats import holm, mean_ci, min_attainable_p, sign_flip_ci, s
 from glm_lightning.sweep.events import read_scalars
 from glm_lightning.sweep.runner import RunResult
 from glm_lightning.sweep.score_at import point
-from glm_lightning.sweep.study import Metric, Study
+from glm_lightning.sweep.study import Metric, Study, StudyError
 
 
 @dataclass
@@ -166,8 +166,35 @@ def analyse_metric(study: Study, metric: Metric, results: Sequence[RunResult], n
     return MetricAnalysis(metric, summaries, comparisons)
 
 
+def run_cpu(res: RunResult) -> str | None:
+    """The CPU key a run recorded in its fingerprint parts (None for runs made before runs recorded it)."""
+    env = (res.spec.parts or {}).get("environment") or {}
+    return env.get("cpu") or None
+
+
+def check_one_cpu(study: Study, results: Sequence[RunResult]) -> None:
+    """Refuse to pair runs made on different CPUs (issue 47): a seed fixes a result only on one CPU kind, and the
+    equal-time verdicts flipped between two CPUs. Runs that did not record their CPU are not checked."""
+    by_seed: dict[int, dict[str, str]] = {}
+    for res in results:
+        cpu = run_cpu(res) if res.ok else None
+        if cpu:
+            by_seed.setdefault(res.spec.seed, {})[res.spec.variant] = cpu
+    for seed, cpus in sorted(by_seed.items()):
+        if len(set(cpus.values())) > 1:
+            where = "; ".join(f"{v}: {c}" for v, c in sorted(cpus.items()))
+            raise StudyError(f"{study.name}: seed {seed}'s runs were made on different CPUs ({where}); a study pairs "
+                             "runs of one CPU only: rerun them on one machine kind")
+
+
+def study_cpus(results: Sequence[RunResult]) -> list[str]:
+    """The CPU keys the study's finished runs recorded (empty when none did)."""
+    return sorted({c for c in (run_cpu(r) for r in results if r.ok) if c})
+
+
 def analyse(study: Study, results: Sequence[RunResult], **kwargs: float) -> list[MetricAnalysis]:
-    """One MetricAnalysis per study metric (the first is the primary one)."""
+    """One MetricAnalysis per study metric (the first is the primary one), after `check_one_cpu`."""
+    check_one_cpu(study, results)
     return [analyse_metric(study, m, results, **kwargs) for m in study.metrics]
 
 

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "package source (by default the sweep refuses and names what changed)")
     p.add_argument("--rerun-changed", action="store_true",
                    help="run again the finished runs made from other inputs (the old ones are kept as .old-<n>)")
+    p.add_argument("--allow-underpowered", action="store_true",
+                   help="run although the power plan shows an equivalence claim cannot be reached at these seeds "
+                        "(the report names the override)")
     p.add_argument("--backend", choices=("local", "ray"), default="local")
     p.add_argument("--ray-address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else local Ray)")
     p.add_argument("--threads-per-run", type=int, default=1, help="OMP_NUM_THREADS of every run (default 1)")
@@ -109,6 +112,8 @@ def reproduce_command(args: argparse.Namespace, study: Study, workers: int) -> s
     if args.threads_per_run != 1:
         parts += ["--threads-per-run", str(args.threads_per_run)]
     parts += [f"--set {shlex.quote(item)}" for item in args.settings]
+    if getattr(args, "allow_underpowered", False):
+        parts.append("--allow-underpowered")
     return " ".join(parts)
 
 
@@ -172,6 +177,10 @@ def run_sweep(argv: list[str], log=print) -> SweepOutcome:  # noqa: ANN001
     out_dir = (Path(args.out) / study.name).resolve()
     specs = plan_runs(study, Path(args.out))
     validate_config(study, log_dir_args(specs[0].run_dir))
+    if not args.report_only:
+        from glm_lightning.sweep.plan import power_plan
+
+        study.power_note = power_plan(study, args.allow_underpowered or args.dry_run, log)
     outcome = SweepOutcome(study, out_dir)
     stale = stale_runs(specs)
 

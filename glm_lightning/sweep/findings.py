@@ -15,6 +15,7 @@ folder never mixes runs of different inputs unless told to, see `runner.stale_ru
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -25,8 +26,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from glm_lightning.stats import format_p, holm, tost_sign_flip
-from glm_lightning.sweep.analysis import Comparison, MetricAnalysis, analyse
+from glm_lightning.stats import format_p, holm, min_attainable_p, tost_sign_flip
+from glm_lightning.sweep.analysis import Comparison, MetricAnalysis, analyse, study_cpus
 from glm_lightning.sweep.claims import Claim, Verdict, judge
 from glm_lightning.sweep.equivalence import Equivalence
 from glm_lightning.sweep.fingerprint import portable_path, source_digest
@@ -259,8 +260,36 @@ def claim_row(claim: Claim, found: StudyResults) -> Row:
         ours += f"; TOST ±{claim.margin:g}: p={format_p(p_equiv)}{holm_note}"
     verdict = judge(claim, diff, lo, hi, p, mde, p_equiv)
     word = verdict.word if not partial else f"{verdict.word} (so far)"
+    ours += equal_time_note(study.name, claim.variant)
     return Row(claim, study, ours + partial + code_note(found), f"**{word}**: {verdict.why}", command, _wall(found),
                comp, verdict, provenance_note(found))
+
+
+@functools.lru_cache(maxsize=None)
+def _equal_time_table(name: str) -> dict[str, list[Any]]:
+    from glm_lightning.sweep.equal_time import study_equal_time
+
+    try:
+        return {row[0].arm: row for row in study_equal_time(name)}
+    except (OSError, KeyError, ValueError, StudyError):
+        return {}
+
+
+def equal_time_note(study: str, variant: str) -> str:
+    """For an equal-time twin's row: the same question asked from the runs' own minutes with the step time ±10%
+    (`sweep.equal_time`, docs/results/equal_time.md), and whether the verdict flips inside that band (issue 47)."""
+    if not variant.endswith("_equal_time"):
+        return ""
+    row = _equal_time_table(study).get(variant)
+    if not row:
+        return ""
+    from glm_lightning.sweep.equal_time import MIN_SEEDS
+
+    words = [r.word if r.n else "no overlap" for r in row]
+    known = {r.word for r in row if r.n >= MIN_SEEDS}
+    state = "flips inside the band" if len(known) > 1 else "stable" if known else "not computable"
+    return (f"; from the runs' own minutes, step time x0.9/x1/x1.1: {' / '.join(words)} ({state}; "
+            f"[equal_time.md](equal_time.md))")
 
 
 def code_note(found: StudyResults) -> str:
@@ -272,6 +301,12 @@ def code_note(found: StudyResults) -> str:
     note = ""
     if sources - {now}:
         note = f"; runs made at other code than now (git {', '.join(gits) or 'unrecorded'})"
+    cpus = study_cpus(found.results)
+    if cpus:
+        note += f"; CPU {', '.join(cpus)}"
+    else:
+        stated = found.study.cpu
+        note += f"; CPU not recorded per run{f' (the study states: {stated})' if stated else ''}"
     n_equiv = sum(len(v) for v in found.equivalent.values())
     if n_equiv:
         note += f"; {n_equiv} of them count through an equivalence record (notes)"
@@ -354,6 +389,26 @@ def own_sections(own: Sequence[tuple[int, Row]]) -> list[tuple[str, list[tuple[i
         ("Numerics and settings", rest)) if rows]
 
 
+def table_wide_note(rows: Sequence[Row]) -> str:
+    """Error control across the whole table (issue 47): each row's p is adjusted only within its study, so with this
+    many rows some "different" verdicts are expected by chance; Holm over every row's unadjusted difference-test p
+    says which survive, and the exact test's smallest p at each row's seeds says which rows never could."""
+    tested = [(i, r.comparison) for i, r in enumerate(rows, 1)
+              if r.comparison is not None and r.comparison.n > 0 and math.isfinite(r.comparison.p)]
+    if not tested:
+        return ""
+    m = len(tested)
+    adjusted = holm([c.p for _, c in tested])
+    survive = [str(i) for (i, _), p in zip(tested, adjusted) if p < 0.05]
+    never = sum(1 for _, c in tested if min_attainable_p(c.n) >= 0.05 / m)
+    return (f"**Error control across the table.** Each row's p is Holm-adjusted within its study only. Over all {m} "
+            f"rows with a result, Holm's first step needs p < 0.05/{m} = {0.05 / m:.1e}; the exact sign-flip test "
+            f"cannot go below 2/2^n (at 10 seeds 2/1024 = 2.0e-03), so {never} of the {m} rows could never "
+            f"pass it, and no table-wide error control is possible at these seed counts. Rows whose difference "
+            f"survives Holm over the whole table: {', '.join(survive) if survive else 'none'}; every other "
+            f"'different', 'refuted' or 'reproduced (an effect)' verdict holds per study, not table-wide.")
+
+
 def _table_row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
 
@@ -374,6 +429,7 @@ def render(rows: Sequence[Row], generated: str, found_meta: dict[str, dict[str, 
             lines += ["", f"### {title}", "", "| # | question | ours (effect, 95% CI, p, n) | verdict | command | wall time |",
                       "|---|---|---|---|---|---|"]
             lines += [_table_row([str(i), r.claim.claim, r.ours, r.verdict, r.command, r.wall]) for i, r in rows_in]
+    lines += ["", table_wide_note(rows)]
     notes = [(i, r) for i, r in enumerate(rows, 1) if r.claim.measure or r.claim.earlier or r.claim.margin]
     shown: set[str] = set()
     if notes:

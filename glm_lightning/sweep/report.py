@@ -351,6 +351,8 @@ def write_report(study: Study, analyses: Sequence[MetricAnalysis], results: Sequ
                      + (f" with {workers} workers" if workers else ""))
     if study.budget:
         lines.append(f"- budget: {study.budget}")
+    if study.power_note:
+        lines.append(f"- {study.power_note}")
     lines += [f"- code: {runs_code(ok)}; package source digest `{source_digest()}`; report written "
               f"{time.strftime('%Y-%m-%d %H:%M')} at git {git_revision()}", ""]
     if study.blocks:

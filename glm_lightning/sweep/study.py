@@ -56,7 +56,7 @@ LOWER_IS_BETTER_SUFFIXES = ("loss", "bpb", "ppl", "perplexity")
 KNOWN_KEYS = {
     "name", "description", "base", "overrides", "variable", "values", "variants", "control", "seeds", "seed_keys",
     "metrics", "higher_is_better", "budget", "tutorial", "claims", "expected_minutes", "regime", "blocks", "score_at",
-    "equivalences", "inputs",
+    "equivalences", "inputs", "power_plan", "cpu",
 }
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -121,6 +121,11 @@ class Study:
     equivalences: list[Equivalence] = field(default_factory=list)
     """Checked equivalences of earlier config texts with the shipped one (`sweep.equivalence`)."""
     inputs: tuple[str, ...] = ()
+    cpu: str = ""
+    """For runs made before runs recorded their CPU: the CPU the study's report states (shown as stated, not
+    recorded)."""
+    power_note: str = ""
+    """What the power plan said before this invocation ran (`sweep.plan`), shown in the report's Setup."""
     """Files (repository paths) the study's settings come from outside any config, e.g. measured step times."""
 
     @property
@@ -445,6 +450,7 @@ def load_study(path: str | Path, seeds: int | None = None) -> Study:
     if not isinstance(inputs, list) or not all(isinstance(x, str) for x in inputs):
         raise StudyError(f"{path}: `inputs` must be a list of repository paths")
     study.inputs = tuple(inputs)
+    study.cpu = str(raw.get("cpu") or "").strip()
     try:
         study.equivalences = parse_equivalences(str(path), raw.get("equivalences"))
     except ValueError as err:
