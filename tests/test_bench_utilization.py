@@ -73,3 +73,20 @@ def test_summary_rows_name_the_machine_and_the_fractions():
     text = "\n".join(r[1] for r in rows)
     assert "MFU 33.0% of the fp32 GEMM peak 80 GFLOP/s" in text
     assert "7.4% of the compute bound (3,788 tok/s" in text and "50.0% of the bandwidth bound (560 tok/s" in text
+
+
+def test_summary_rows_of_a_native_bf16_run():
+    """On a CPU with native bf16 the bf16 benchmark times native bf16 at the full size: its rows read that size."""
+    machine = "Some CPU [AVX512], 1 thread, torch 2.x"
+    row = {"s_per_step": 1.0, "tokens_per_s": 100.0, "mfu": 0.25}
+    b = {"machine": machine, "native_bf16": True, "batch": 32, "seq": 128, "native_batch": 32,
+         "peak_gflops": {"fp32": 90.0, "native": 900.0, "emulated": 60.0},
+         "train": {"fp32 32x128": row, "emulated 32x128": row, "native 32x128": {**row, "mfu": 0.05}},
+         "train_emulated_over_fp32": 0.9, "train_native_over_fp32": 1.3,
+         "generation": {m: {"tokens_per_s": 200.0} for m in ("fp32", "emulated", "native")},
+         "generation_emulated_over_fp32": 0.7, "generation_native_over_fp32": 0.9}
+    rows = bench.summary_rows({"bf16": b})
+    assert all(r[3] == machine for r in rows)
+    text = "\n".join(r[1] for r in rows)
+    assert "fp32 25.0% of the fp32 peak, bf16-mixed 5.0% of the bf16 peak" in text
+    assert "32x128: native 1.30x fp32" in text
