@@ -33,13 +33,26 @@ name, quick, threads, out = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), s
 torch.set_num_threads(threads)
 res = importlib.import_module(f"benchmarks.bench_{name}").run(quick=quick)
 res.setdefault("threads", threads)
+from glm_lightning import machine
+res.setdefault("machine", machine.describe(machine.machine_info(threads)))
 res.setdefault("peak_rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 json.dump(res, open(out, "w"), default=str)
 """
 
 
-def summary_rows(results: dict) -> list[tuple[str, str, str]]:
+def summary_rows(results: dict) -> list[tuple[str, str, str, str]]:
+    """(benchmark, result, target, machine) rows: each names the machine its benchmark ran on (CPU model, torch's
+    CPU capability, threads)."""
     rows = []
+    for name, r in results.items():
+        rows += [(*row, r.get("machine", "") if isinstance(r, dict) else "") for row in _rows_of(name, results)]
+    return rows
+
+
+def _rows_of(name: str, results: dict) -> list[tuple[str, str, str]]:
+    """The summary rows of one benchmark's results."""
+    rows: list[tuple[str, str, str]] = []
+    results = {name: results[name]}
     if "cli" in results:
         c = results["cli"]
         slowest = max(c["seconds"].items(), key=lambda kv: kv[1])
@@ -66,9 +79,10 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
         t = results["train"]
         for name in ("hybrid flash-25m", "dense baseline"):
             r = t[name]
-            rows.append((f"train {name.split()[0]}", f"{r['tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%}, "
-                                                      f"{t['threads']} thr, RSS {r['peak_rss_mb']:.0f} MB",
-                         "MFU >= 40%" if name.startswith("hybrid") else ""))
+            rows.append((f"train {name.split()[0]}", f"{r['tokens_per_s']:.0f} tok/s, MFU {r['mfu']:.1%} of the fp32 "
+                                                      f"GEMM peak {t['peak_gflops']:.0f} GFLOP/s (6 x active params/tok),"
+                                                      f" RSS {r['peak_rss_mb']:.0f} MB",
+                         "MFU >= 60%" if name.startswith("hybrid") else ""))
         rows.append(("train ratio", f"hybrid/dense {t['hybrid_over_dense']:.2f}x", ">= 0.8x"))
     if "bf16" in results:
         b, p = results["bf16"], results["bf16"]["peak_gflops"]
@@ -77,6 +91,9 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
                                    f"bf16 emulated {p['emulated']:.0f} GFLOP/s", ""))
         t = b["train"]
         full, small = f"{b['batch']}x{b['seq']}", f"{b['native_batch']}x{b['seq']}"
+        if full == small:  # native bf16: measured at the full size
+            rows.append(("bf16 train MFU", f"flash-25m {full}: fp32 {t['fp32 ' + full]['mfu']:.1%} of the fp32 peak, "
+                                           f"bf16-mixed {t['native ' + full]['mfu']:.1%} of the bf16 peak", ""))
         rows.append(("bf16 train", f"flash-25m {full}: fp32 {t['fp32 ' + full]['tokens_per_s']:.0f}, emulated "
                                    f"{t['emulated ' + full]['tokens_per_s']:.0f} tok/s ({b['train_emulated_over_fp32']:.2f}x);"
                                    f" {small}: native {b['train_native_over_fp32']:.2f}x fp32", ">= 1.6x (native bf16)"))
@@ -90,6 +107,13 @@ def summary_rows(results: dict) -> list[tuple[str, str, str]]:
         rows.append(("generation", f"cached {g['cached_tokens_per_s']:.0f} tok/s, naive "
                                    f"{g['naive_tokens_per_s']:.0f} tok/s, {g['speedup']:.1f}x, "
                                    f"RSS {g['peak_rss_mb']:.0f} MB", "cached >= 25x naive"))
+        if "compute_bound_tokens_per_s" in g:
+            rows.append(("decode bounds", f"cached {g['compute_bound_fraction']:.1%} of the compute bound "
+                                          f"({g['compute_bound_tokens_per_s']:,.0f} tok/s at {g['peak_gflops']:.0f} "
+                                          f"GFLOP/s), {g['bandwidth_bound_fraction']:.1%} of the bandwidth bound "
+                                          f"({g['bandwidth_bound_tokens_per_s']:,.0f} tok/s: "
+                                          f"{g['bytes_per_step'] / 1e6:.0f} MB/step at {g['bandwidth_gbs']:.1f} GB/s)",
+                         ">= 30% of compute"))
     if "vs_commit" in results:
         v = results["vs_commit"]
         rows.append(("study steps", f"{v['new_steps_per_s']:.2f} steps/s vs {v['old_steps_per_s']:.2f} at {v['rev']}: "
@@ -170,9 +194,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"threads: {threads} ({args.threads})")
     results, failed = run_benches(names, args.quick, threads)
     print("\n=== summary ===")
-    print(f"{'benchmark':<16}{'result':<84}{'target'}")
+    print(f"{'benchmark':<16}{'result':<104}{'target':<22}machine")
     for row in summary_rows(results):
-        print(f"{row[0]:<16}{row[1]:<84}{row[2]}")
+        print(f"{row[0]:<16}{row[1]:<104}{row[2]:<22}{row[3]}")
     save_merged(RESULTS, saved, results)
     kept = sorted(set(saved) - set(results))
     if results:

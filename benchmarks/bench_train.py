@@ -18,21 +18,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks import utilization
 from benchmarks.dense_baseline import dense_matching_active
 from glm_lightning.model import GLMConfig, GLMModel
 from glm_lightning.optim import AdamW
 
 
 def matmul_peak_gflops(n: int = 1536, reps: int = 8) -> float:
-    """Best-of fp32 GEMM rate (GFLOP/s) with the current thread count."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best = 0.0
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = max(best, 2 * n**3 / (time.perf_counter() - t) / 1e9)
-    return best
+    """Best-of fp32 GEMM rate (GFLOP/s) with the current thread count (benchmarks/utilization.py)."""
+    return utilization.gemm_peak_gflops(torch.float32, n, reps)
 
 
 def make_step(model: torch.nn.Module, loss_fn, batch: int, seq: int) -> Callable[[], float]:
@@ -85,7 +79,8 @@ def run(quick: bool = False, batch: int = 32, seq: int = 128) -> dict[str, Any]:
     dense_params = sum(p.numel() for p in dense.parameters())
     peak = matmul_peak_gflops()
     tokens = batch * seq
-    res: dict[str, Any] = {"batch": batch, "seq": seq, "threads": torch.get_num_threads(), "peak_gflops": peak}
+    res: dict[str, Any] = {"batch": batch, "seq": seq, **utilization.machine_fields(), "peak_gflops": peak,
+                           "flop_count": utilization.TRAIN_FLOPS}
     rows = (("dense baseline", dense, dense_loss, dense_params), ("hybrid flash-25m", hybrid, hybrid_loss,
                                                                    counts["active"]))
     dense_step = make_step(dense, dense_loss, batch, seq)
@@ -96,15 +91,21 @@ def run(quick: bool = False, batch: int = 32, seq: int = 128) -> dict[str, Any]:
     peak = res["peak_gflops"] = max(peak, matmul_peak_gflops())  # the best of two measurements, before and after
     for name, model, fn, n_active in rows:
         sec = secs[name]
-        flops = 6 * n_active * tokens
-        res[name] = {"params_active": n_active, "s_per_step": sec, "tokens_per_s": tokens / sec,
-                     "mfu": flops / sec / 1e9 / peak,
+        per_token = utilization.train_flops_per_token(n_active)
+        res[name] = {"params_active": n_active, "flops_per_token": per_token, "s_per_step": sec,
+                     "tokens_per_s": tokens / sec, "mfu": utilization.mfu(tokens / sec, per_token, peak),
                      "peak_rss_mb": rss_dense if name == "dense baseline"
                      else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    # attention's weightless products, left out of the count: their share of the hybrid's FLOPs (DSA layers, each
+    # query over min(t + 1, top_k) keys, fwd + bwd)
+    keys = sum(min(t + 1, cfg.index_top_k) for t in range(seq)) / seq
+    attn = utilization.attention_flops_per_token(cfg.layer_kinds.count("S"), cfg.n_heads, cfg.head_dim, keys)
+    res["attention_flops_share"] = attn / (res["hybrid flash-25m"]["flops_per_token"] + attn)
     res["hybrid_over_dense"] = res["hybrid flash-25m"]["tokens_per_s"] / res["dense baseline"]["tokens_per_s"]
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"training throughput (fwd+bwd+AdamW, batch {batch}x{seq}, {res['threads']} threads, "
-          f"fp32 matmul peak {peak:.1f} GFLOP/s)")
+    print(f"training throughput (fwd+bwd+AdamW, batch {batch}x{seq}) on {res['machine']}, "
+          f"fp32 GEMM peak {peak:.1f} GFLOP/s")
+    print(f"MFU: {utilization.TRAIN_FLOPS}; attention would add {res['attention_flops_share']:.1%} of the hybrid's")
     print(f"{'model':<20}{'active params':>15}{'s/step':>9}{'tokens/s':>11}{'MFU':>8}{'RSS MB':>8}")
     for name in ("hybrid flash-25m", "dense baseline"):
         r = res[name]

@@ -474,3 +474,33 @@ def test_cache_overflow_and_batch_mismatch_raise() -> None:
             m(torch.randn(3, 1, 32), None, cache)
         m(torch.randn(2, 2, 32), None, cache)
         assert cache.length == 12
+
+
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_cached_decode_in_other_dtypes_equals_full_forward(dtype: torch.dtype, gather: bool, monkeypatch) -> None:
+    """A prefill + decode with the cache in the module's dtype equals the uncached forward, with the C++ ops off (the
+    PyTorch forms every dtype runs; the C++ decode ops take fp32 only). fp64 to 1e-10 (a softmax cast to fp32 once met
+    the fp64 values here: "expected scalar type Float but found Double"); bf16 within bf16's rounding."""
+    from glm_lightning.model import ops
+
+    m = make().eval().to(dtype)
+    monkeypatch.setattr(thresholds, "DECODE_GATHER_MIN_KEYS_PER_TOP_K", 0 if gather else 10**9)
+    torch.manual_seed(8)
+    x = torch.randn(2, 22, 32, dtype=torch.float64).to(dtype)
+    valid = torch.ones(2, 22, dtype=torch.bool)
+    valid[1, :2] = False
+    with torch.inference_mode(), ops.cpp_ops(False):
+        for v in (None, valid):
+            full, _ = m(x, v)
+            cache = DSACache.empty(2, m.cfg, dtype=dtype)
+            outs = [m(x[:, :9], None if v is None else v[:, :9], cache)[0]]
+            for t in range(9, 22):
+                outs.append(m(x[:, t:t + 1], None if v is None else v[:, t:t + 1], cache)[0])
+            got = torch.cat(outs, 1)
+            ok = slice(None) if v is None else v
+            assert got.dtype == dtype
+            if dtype is torch.float64:
+                torch.testing.assert_close(got[ok], full[ok], rtol=1e-10, atol=1e-10)
+            else:  # the decode's two bmm and the prefill's SDPA round differently; outputs ~1
+                assert (got[ok].float() - full[ok].float()).abs().max() < 5e-2

@@ -80,6 +80,15 @@ def _kda_chunked_op(q, k, v, g, beta, s0):
     return ops.kda_chunked(q, k, v, g, beta, 8, s0, gate_bound=5.0)
 
 
+def _single_query_inputs() -> tuple:
+    """A decode step's attention: q [3, 4, 1, 8] over 11 keys of 2 key/value heads (GQA), a random key mask with
+    the last key always kept; k and v strided slices of a longer cache buffer."""
+    B, H, Hkv, S, D = 3, 4, 2, 11, 8
+    mask = torch.rand(B, 1, S, generator=_GEN) > 0.4
+    mask[..., -1] = True
+    return _randn(B, H, 1, D), _randn(B, Hkv, S + 4, D)[:, :, :S], _randn(B, Hkv, S + 4, D)[:, :, :S], mask
+
+
 # (name, fast form, reference form, inputs, indices of the differentiable inputs, tolerance)
 CASES: list[tuple[str, Callable, Callable, Callable[[], tuple], tuple[int, ...], float]] = [
     ("rms_norm", ops.rms_norm, reference.rms_norm, lambda: (_randn(3, 7, 24), _randn(24), 1e-5), (0, 1), 1e-5),
@@ -112,6 +121,8 @@ CASES: list[tuple[str, Callable, Callable, Callable[[], tuple], tuple[int, ...],
      (0, 1, 2), 1e-5),
     ("index_scores", ops.index_scores, reference.index_scores,
      lambda: (_randn(2, 4, 6, 8), _randn(2, 6, 4), _randn(2, 9, 8)), (0, 1, 2), 1e-5),
+    ("single_query_attention", ops.single_query_attention, reference.masked_attention, _single_query_inputs,
+     (0, 1, 2), 1e-5),
 ]
 
 
@@ -125,23 +136,55 @@ def _outputs(fn: Callable, args: tuple, diff: tuple[int, ...]) -> tuple[list[tor
     return [o.detach() for o in outs], list(grads)
 
 
-@pytest.mark.parametrize("cpp", BACKENDS, ids=["pytorch", "cpp"])
+# (C++ ops on, dtype): fp32 with the C++ ops off and on; fp64 and bf16 (the other dtypes the ops layer promises) with
+# the PyTorch forms only, as GLM_LIGHTNING_EXT=0 runs them (the C++ ops take fp32, and fp64 for gradcheck).
+_NO_CPP = pytest.mark.skipif(not cext.available(), reason="C++ ops not built")
+MODES = [pytest.param(False, torch.float32, id="pytorch-fp32"),
+         pytest.param(True, torch.float32, id="cpp-fp32", marks=_NO_CPP),
+         pytest.param(False, torch.float64, id="pytorch-fp64"),
+         pytest.param(False, torch.bfloat16, id="pytorch-bf16")]
+FP64_TOL = 1e-10
+BF16_TOL = 2e-2
+"""bf16: the op on bf16 inputs against the reference on the same values in fp32, relative to the largest reference
+value (bf16 keeps 8 bits: GEMM outputs rounded to 2^-9 relative, a few roundings per op)."""
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, tol: float, what: str) -> None:
+    if dtype is torch.bfloat16:
+        # the policy (mixed_precision.py): GEMM outputs bf16, every other op's outputs fp32; never wider
+        assert a.dtype in (torch.bfloat16, torch.float32), f"{what}: {a.dtype}"
+        err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+        scale = max(1.0, b.abs().max().item() if b.numel() else 0.0)
+        assert err <= BF16_TOL * scale, f"{what}: max error {err:.3g} > {BF16_TOL} x {scale:.3g}"
+        return
+    assert a.dtype == dtype, f"{what}: {a.dtype} for {dtype} inputs"
+    tol = FP64_TOL if dtype is torch.float64 else tol
+    torch.testing.assert_close(a, b.to(a.dtype), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("cpp,dtype", MODES)
 @pytest.mark.parametrize("name,fast,ref,make,diff,tol", CASES, ids=[c[0] for c in CASES])
-def test_op_equals_its_reference_form(name, fast, ref, make, diff, tol, cpp):
-    args = make()
+def test_op_equals_its_reference_form(name, fast, ref, make, diff, tol, cpp, dtype):
+    """Values and gradients of every op against its reference form, in each dtype. fp64: both in fp64 (outputs and
+    gradients fp64, agreeing to 1e-10). bf16: the op on bf16 inputs against the reference on the same (bf16-rounded)
+    values in fp32; the gradients come back in bf16, the inputs' dtype."""
+    args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in make())
     with ops.cpp_ops(cpp):
         outs, grads = _outputs(fast, args, diff)
-    ref_outs, ref_grads = _outputs(ref, args, diff)
+    ref_args = args if dtype is not torch.bfloat16 else tuple(
+        a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    ref_outs, ref_grads = _outputs(ref, ref_args, diff)
     assert len(outs) == len(ref_outs)
-    for a, b in zip(outs, ref_outs):
+    for j, (a, b) in enumerate(zip(outs, ref_outs)):
         if a.dtype == torch.bool or not a.is_floating_point():
             assert torch.equal(a, b)
         else:
-            torch.testing.assert_close(a, b.to(a.dtype), rtol=tol, atol=tol)
+            _close(a, b, dtype, tol, f"output {j}")
     for i, a, b in zip(diff, grads, ref_grads):
         assert (a is None) == (b is None), f"input {i}"
         if a is not None:
-            torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m, i=i: f"grad of input {i}: {m}")
+            assert a.dtype == args[i].dtype, f"grad of input {i}: {a.dtype} for a {args[i].dtype} input"
+            _close(a.float() if dtype is torch.bfloat16 else a, b, dtype, tol, f"grad of input {i}")
 
 
 @pytest.mark.parametrize("cpp", BACKENDS, ids=["pytorch", "cpp"])
@@ -162,3 +205,30 @@ def test_decode_attention_equals_the_masked_reference(S, top_k, gather, cpp, mon
     with torch.no_grad(), ops.cpp_ops(cpp):
         got = ops.decode_attention(q, k_buf, v_buf, S, scores, allowed, top_k)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cpp,dtype", MODES)
+def test_kda_decode_steps_equal_the_reference_sequence(cpp, dtype):
+    """Token-by-token ``kda_decode_step`` from a cached prefix (conv buffer and state, updated in place) equals the
+    reference layer over the whole sequence: outputs, final state and conv buffer, in each dtype (row 1 left-padded)."""
+    (raw, f, b, gate, valid, conv_w, A_log, rescale, lb, _chunk, norm_w, eps, conv0,
+     state0) = _kda_sequence_inputs(True)
+    raw, f, b, gate, conv_w, A_log, norm_w, conv0, state0, rescale = (
+        t.to(dtype) for t in (raw, f, b, gate, conv_w, A_log, norm_w, conv0, state0, rescale))
+    # the buffers: fp64 for fp64, else fp32 as KDACache holds them (bf16 activations meet fp32 buffers)
+    state_dtype = torch.float64 if dtype is torch.float64 else torch.float32
+    ref_args = (raw, f, b, gate, valid, conv_w, A_log, rescale, lb, 4, norm_w, eps, conv0, state0)
+    if dtype is torch.bfloat16:
+        ref_args = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in ref_args)
+    ref_out, ref_conv, ref_state = reference.kda_sequence(*ref_args)
+    conv, state = conv0.to(state_dtype).clone(), state0.to(state_dtype).clone()
+    outs = []
+    with torch.no_grad(), ops.cpp_ops(cpp):
+        for t in range(raw.shape[1]):
+            s = slice(t, t + 1)
+            outs.append(ops.kda_decode_step(raw[:, s], f[:, s], b[:, s], gate[:, s], valid[:, s], conv, state, conv_w,
+                                            A_log, rescale, lb, norm_w, eps))
+    _close(torch.cat(outs, 1), ref_out, dtype, 3e-5, "outputs")
+    _close(state, ref_state, state_dtype if dtype is not torch.bfloat16 else dtype, 3e-5, "state")
+    assert state.dtype == state_dtype and conv.dtype == state_dtype
+    torch.testing.assert_close(conv, ref_conv.to(state_dtype), rtol=0, atol=0)  # the raw inputs, shifted

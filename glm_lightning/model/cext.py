@@ -63,11 +63,16 @@ def enabled() -> bool:
     return os.environ.get("GLM_LIGHTNING_EXT", "auto").strip().lower() not in ("0", "off", "false", "no")
 
 
-def _compile_flags() -> list[str]:
+def _compile_flags(march: str = "native") -> list[str]:
     """g++ flags for one translation unit: torch's headers (what torch.utils.cpp_extension would pass, without
-    importing it: its import probes for CUDA and warns), OpenMP for at::parallel_for."""
+    importing it: its import probes for CUDA and warns), OpenMP for at::parallel_for. ``march`` is the target (the
+    build uses this CPU's; tests/test_cext_build.py cross-compiles for aarch64 with ``armv8-a``).
+
+    The kernels are portable C++: their explicit vectors are GCC vector extensions of 16 lanes (kernel_helpers.h),
+    which the compiler lowers to the target's registers (one AVX-512 register, two AVX2 ones, four NEON ones on
+    aarch64), and the only ISA-specific code (flushing denormals through MXCSR) is guarded for x86."""
     torch_dir = Path(torch.__file__).parent
-    return ["-O3", "-march=native", "-std=c++20", "-fPIC", "-fopenmp",
+    return ["-O3", f"-march={march}", "-std=c++20", "-fPIC", "-fopenmp",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{torch_dir / 'include'}"]
 
 

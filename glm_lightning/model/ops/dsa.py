@@ -82,7 +82,7 @@ def single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Ten
     """Attention for one query per row: q [B, H, 1, D], k/v [B, H_kv, S, D] (GQA groups of H / H_kv consecutive query
     heads; strided slices of the cache buffers are fine), bool mask [B, 1, S] with at least one True per row ->
     [B, H, 1, D]. PyTorch form: two ``bmm`` and a masked softmax, a key/value head's query heads the rows of one
-    product."""
+    product; the softmax in fp32 (fp64 for fp64 tensors), the products under the bf16 policy of mixed_precision."""
     B, H, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if _decode_cpp(q, k, v):
@@ -90,7 +90,8 @@ def single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Ten
                                                               D ** -0.5).view(B, H, 1, D)
     G = H // Hkv
     logits = mp.bmm(q.reshape(B * Hkv, G, D), k.reshape(B * Hkv, S, D).transpose(1, 2)).view(B, Hkv, G, S)
-    logits = logits if logits.dtype == torch.float32 else logits.float()  # the softmax in fp32
+    if logits.dtype not in (torch.float32, torch.float64):  # the softmax in fp32 (fp64 stays fp64)
+        logits = logits.float()
     logits = logits.mul_(D ** -0.5).masked_fill_(mask.logical_not().view(B, 1, 1, S), float("-inf"))
     out = mp.bmm(logits.softmax(-1).view(B * Hkv, G, S), v.reshape(B * Hkv, S, D))
     return out.view(B, H, 1, D)

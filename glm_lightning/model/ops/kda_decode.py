@@ -22,21 +22,27 @@ from glm_lightning.model.ops.norm import gated_head_norm
 
 
 def _f32(t: Tensor) -> Tensor:
-    return t if t.dtype == torch.float32 else t.float()
+    """t in fp32 (fp64 stays fp64: the PyTorch forms run in fp64 too)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> Tensor:
     """One delta-rule step written into S in place (no autograd). q, k, g [B, H, K]; v [B, H, V]; beta [B, H];
-    S [B, H, K, V] fp32, contiguous. Returns o [B, H, V]."""
+    S [B, H, K, V] fp32 (or fp64), contiguous; the step computes in S's dtype. Returns o [B, H, V]."""
     if backend.takes(q, k, v, g, beta, S, fp64=False):
         return torch.ops.glm_lightning.delta_step_(q, k, v, g, beta, S)
     B, H, K, V = S.shape
+    dt = S.dtype
     Sf = S.view(B * H, K, V)
-    kf = _f32(k).reshape(B * H, K, 1)
-    Sf.mul_(_f32(g).reshape(B * H, K, 1).exp())                                # Diag(exp g) S
-    e = _f32(v).reshape(B * H, 1, V) - torch.bmm(kf.transpose(1, 2), Sf)       # v - S^T k   [BH, 1, V]
-    Sf.addcmul_(kf, e.mul_(_f32(beta).reshape(B * H, 1, 1)))                   # S += k (beta e)^T
-    return torch.bmm(_f32(q).reshape(B * H, 1, K), Sf).view(B, H, V)          # S^T q
+    kf = _as(k, dt).reshape(B * H, K, 1)
+    Sf.mul_(_as(g, dt).reshape(B * H, K, 1).exp())                                # Diag(exp g) S
+    e = _as(v, dt).reshape(B * H, 1, V) - torch.bmm(kf.transpose(1, 2), Sf)       # v - S^T k   [BH, 1, V]
+    Sf.addcmul_(kf, e.mul_(_as(beta, dt).reshape(B * H, 1, 1)))                   # S += k (beta e)^T
+    return torch.bmm(_as(q, dt).reshape(B * H, 1, K), Sf).view(B, H, V)          # S^T q
 
 
 def conv_step_(conv_state: Tensor, raw: Tensor, weight: Tensor) -> Tensor:

@@ -43,4 +43,5 @@ def kda_sequence(raw: Tensor, f: Tensor, b: Tensor, gate: Tensor, valid: Tensor 
 
 
 def _f32(t: Tensor) -> Tensor:
-    return t if t.dtype == torch.float32 else t.float()
+    """t in fp32 (fp64 stays fp64)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()

@@ -61,8 +61,8 @@ class _GatedHeadNormCpp(torch.autograd.Function):
 @mp.fp32_op
 def gated_head_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """KDA's output norm RMSNorm_head(o) * weight * sigmoid(gate): o [B, T, H, K] (fp32), gate [B, T, H*K] ->
-    [B, T, H*K] fp32."""
-    gate = gate if gate.dtype == torch.float32 else gate.float()
+    [B, T, H*K] fp32 (fp64 for an fp64 o)."""
+    gate = gate if gate.dtype == o.dtype else gate.to(o.dtype)
     if backend.takes(o, gate, weight):
         return _GatedHeadNormCpp.apply(o, gate, weight, eps)
     return reference.gated_head_norm(o, gate, weight, eps)

@@ -11,6 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+def _fp32(t: Tensor) -> Tensor:
+    """t in fp32; fp64 stays fp64."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 # --- norms -----------------------------------------------------------------------------------------------------------
 
 
@@ -144,7 +149,7 @@ def kda_sequence(raw: Tensor, f: Tensor, b: Tensor, gate: Tensor, valid: Tensor 
     the final state. (``chunk_size`` is the fast form's; the recurrence here is token by token.)"""
     if valid is not None:
         raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
-    q, k, v, g, beta = kda_features(short_conv(raw, conv_weight, conv_state).float(), f, b, A_log.float(), rescale, lb)
+    q, k, v, g, beta = kda_features(_fp32(short_conv(raw, conv_weight, conv_state)), f, b, _fp32(A_log), rescale, lb)
     if valid is not None:
         pad = ~valid
         k, g = k.masked_fill(pad[..., None, None], 0.0), g.masked_fill(pad[..., None, None], 0.0)
