@@ -151,7 +151,7 @@ def run(argv: Sequence[str], out: Callable[[str], None] | None = None) -> list[t
 
     verifier = VerifierSettings(workers=1).build() if tasks else None
     if verifier is not None:  # what isolates the samples here, or which promised protection is missing
-        note(verifier.summary())
+        sys.stderr.write(verifier.summary() + "\n")
     prompt_seen = args.prompt
     if args.prompt is not None and not args.raw:
         prompt_seen, wrapped = as_training_prompt(args.prompt)

@@ -107,15 +107,16 @@ def check_same_model(path: str | Path, theirs: GLMConfig, mine: GLMConfig, stage
     more = f" and {len(diff) - 3} more" if len(diff) > 3 else ""
     theirs_preset, mine_preset = preset_of(theirs), preset_of(mine)
     fix = "use the config and overrides of the run that wrote it"
-    if theirs_preset is not None and theirs_preset != mine_preset:
+    if theirs_preset is not None and mine_preset is not None and theirs_preset != mine_preset:
         overlay = Path("configs") / theirs_preset / f"{stage}.yaml" if stage else None
         if overlay is not None and (Path(__file__).resolve().parents[2] / overlay).is_file():
             fix = f"add its overlay (--config {overlay}) or --model.init_args.preset {theirs_preset}"
         else:
             fix = f"use --model.init_args.preset {theirs_preset}"
-    kinds = (f"a {theirs_preset!r} model, this run builds {mine_preset or 'another'!r}" if theirs_preset
-             else "trained with a different model config")
-    raise ValueError(f"checkpoint {path} is {kinds} ({shown}{more}: checkpoint vs this run): {fix}")
+    kinds = (f"a {theirs_preset!r} model, this run builds {mine_preset!r}; " if theirs_preset and mine_preset
+             else "")
+    raise ValueError(f"checkpoint {path} was trained with a different model config ({kinds}{shown}{more}: "
+                     f"checkpoint vs this run): {fix}")
 
 
 SHIPPED_START_CHECKPOINTS = {

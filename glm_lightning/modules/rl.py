@@ -94,7 +94,8 @@ class RLModule(StageModule):
     # --- the run's wall time ---------------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
         self._fit_t0 = time.perf_counter()
-        self.budget.check_trainer(self.trainer.max_steps, self.trainer.fast_dev_run)
+        if self._trainer is not None:
+            self.budget.check_trainer(self.trainer.max_steps, self.trainer.fast_dev_run)
         summary = getattr(self.verifier, "summary", None)  # started now: the log says at once what isolates rewards
         if callable(summary):
             rank_zero_info(summary())
