@@ -1,15 +1,22 @@
 """ATen ops per decode step (flash-25m, 16 rows after a 64-token prompt), counted with torch.profiler: deterministic,
 so it is the number to compare across commits for cached generation, which is bound by dispatch overhead.
 
-    python -m benchmarks.profile_decode [--rows 16] [--by-frame]
+    python -m benchmarks.profile_decode [--rows 16] [--by-frame] [--time]
 
-`--by-frame` groups the ops by the innermost glm_lightning source frame (which code issues them).
+`--by-frame` groups the ops by the innermost glm_lightning source frame (which code issues them). `--time` also times
+decode steps without the profiler (:func:`time_decode`): the median step, the part spent in ``small_matmul`` (the C++
+op that streams the weights of the decode's linears and experts; timed around each call, so its time includes the
+call's own dispatch) and the weight bytes it read, so a step splits into weight streaming and everything else
+(the other ops, Python and dispatch).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import statistics
+import time
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -37,6 +44,49 @@ def profile_decode(rows: int = 16, prompt_len: int = 64, by_frame: bool = False)
     return len(ops), collections.Counter(_frame(e) if by_frame else e.name for e in ops)
 
 
+def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: str = "flash-25m") -> dict[str, Any]:
+    """Median seconds of a decode step of ``rows`` rows (after a prefill and two untimed steps), and per step: the
+    seconds inside ``small_matmul`` calls, their number and the weight bytes they read (a padded expert with no row
+    is not read). The C++ ops must be loaded for ``small_matmul`` to run; without them its fields are 0."""
+    from glm_lightning.model.ops import matmul, moe
+
+    torch.manual_seed(0)
+    model = GLMModel(GLMConfig.preset(preset)).eval()
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, prompt_len))
+    tok = torch.randint(0, model.cfg.vocab_size, (rows, 1))
+    acc = {"s": 0.0, "calls": 0, "bytes": 0}
+    inner = matmul.small_matmul
+
+    def timed(x2, weight, counts, bias=None):
+        t = time.perf_counter()
+        y = inner(x2, weight, counts, bias)
+        acc["s"] += time.perf_counter() - t
+        acc["calls"] += 1
+        acc["bytes"] += weight.nbytes if counts is None else int((counts > 0).sum()) * weight[0].nbytes
+        return y
+
+    times = []
+    matmul.small_matmul = moe.small_matmul = timed
+    try:
+        with torch.inference_mode():
+            cache = decode_cache(model, 1, prompt_len + steps + 4)
+            model(prompt, valid=torch.ones_like(prompt, dtype=torch.bool), cache=cache)
+            cache = cache.repeat_interleave(rows)
+            for _ in range(2):
+                model(tok, cache=cache)
+            acc.update(s=0.0, calls=0, bytes=0)
+            for _ in range(steps):
+                t = time.perf_counter()
+                model(tok, cache=cache)
+                times.append(time.perf_counter() - t)
+    finally:
+        matmul.small_matmul = moe.small_matmul = inner
+    sm = acc["s"] / steps
+    return {"rows": rows, "step_s": statistics.median(times), "small_matmul_s": sm,
+            "small_matmul_calls": acc["calls"] / steps,
+            "small_matmul_bytes": acc["bytes"] / steps, "small_matmul_gbs": acc["bytes"] / steps / sm / 1e9 if sm else 0.0}
+
+
 def _frame(e) -> str:
     """The innermost glm_lightning source frame above a profiler event (python frames are events with stacks on)."""
     while e is not None:
@@ -51,11 +101,21 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--by-frame", action="store_true")
+    p.add_argument("--time", action="store_true", help="also time decode steps (no profiler): small_matmul's share")
     args = p.parse_args()
     n, counts = profile_decode(args.rows, by_frame=args.by_frame)
     for name, c in counts.most_common(args.top):
         print(f"{c:>6}  {name}")
     print(f"flash-25m, {args.rows} rows: {n} ATen ops per decode step")
+    if args.time:
+        from glm_lightning import machine
+
+        r = time_decode(args.rows)
+        rest = r["step_s"] - r["small_matmul_s"]
+        print(f"{machine.describe()}: decode step {r['step_s'] * 1e3:.1f} ms (median), small_matmul "
+              f"{r['small_matmul_s'] * 1e3:.1f} ms in {r['small_matmul_calls']:.0f} calls "
+              f"({r['small_matmul_bytes'] / 1e6:.1f} MB of weights, {r['small_matmul_gbs']:.1f} GB/s), the rest "
+              f"{rest * 1e3:.1f} ms ({n} ATen ops: {rest / n * 1e6:.1f} us per op)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,13 @@ not tuning knobs.
 - DECODE_GATHER_MIN_KEYS_PER_TOP_K: a DSA decode step, gather the top-k keys or mask all keys.
 
 SMALL_ROWS and SMALL_TOKENS depend on the CPU's vector width (``torch.backends.cpu.get_cpu_capability()``): the C++
-``small_matmul`` is written for 16-float (AVX-512) lanes and measured faster than BLAS only there.
+``small_matmul`` is written for 16-float (AVX-512) lanes and measured faster than BLAS only there. The capability is
+not enough (issue 49): on an Intel Xeon with AVX-512 and AMX (family 6 model 207, torch capability AVX512, MKL, 1
+thread, load 3-5) BLAS won with these AVX-512 defaults: cached generation 251 tok/s with both 0 against 233 as shipped
+(``bench_decode_thresholds``, 5 alternated rounds, BLAS faster in each), and one [192 x 384] weight of 300 cycled
+through took ``small_matmul`` 113 / 102 / 139 us at 1 / 4 / 16 rows against 71 / 79 / 128 us for ``mm(x, W.t())``.
+They are left as they are until the choice is measured on the CPU at hand (issue 49's op-choice table), not keyed by
+the capability alone.
 """
 
 from __future__ import annotations
