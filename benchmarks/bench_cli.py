@@ -60,6 +60,8 @@ def run(quick: bool = False) -> dict:
                                                   env, False),
             "error: misspelt section": (["fit", "--config", str(section)], env, False),
             "demo: first line": (["demo", "--dry-run"], env, True),
+            "sweep: first line": (["sweep", "--config", "configs/experiments/ordering.yaml", "--dry-run"], env, True),
+            "fit: first line": (["fit", "--config", "configs/pretrain.yaml", "--print_config"], env, True),
         }
         _time(["fit", "--help"], env)  # make sure the cache exists (as after `make venv`)
         rows = {name: statistics.median(_time(argv, e, first) for _ in range(rounds))

@@ -317,7 +317,8 @@ def build_cli(args: ArgsType = None, run: bool = True, exit_on_error: bool = Tru
 
 
 class _ParseOnly(GLMCLI):
-    """Builds the parser only; `check_config` does the parsing and instantiation itself."""
+    """Builds the parser only; `check_config` does the parsing and instantiation itself (no run: the thread count of
+    the checking process, e.g. a sweep's driver, is left alone)."""
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         from jsonargparse import Namespace
@@ -325,6 +326,9 @@ class _ParseOnly(GLMCLI):
         self.config = Namespace()
 
     def _set_seed(self) -> None:
+        pass
+
+    def before_instantiate_classes(self) -> None:
         pass
 
     def instantiate_classes(self) -> None:

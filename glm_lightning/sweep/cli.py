@@ -175,6 +175,8 @@ def run_sweep(argv: list[str], log=print) -> SweepOutcome:  # noqa: ANN001
     if args.settings:
         study = study.with_settings(parse_settings(args.settings))
     out_dir = (Path(args.out) / study.name).resolve()
+    log(f"[sweep] {study.name}: planning its runs and checking its config (OMP_NUM_THREADS={args.threads_per_run} "
+        "per run; fingerprints and the stage CLI's imports take a few seconds)")
     specs = plan_runs(study, Path(args.out))
     validate_config(study, log_dir_args(specs[0].run_dir))
     if not args.report_only:
