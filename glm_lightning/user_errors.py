@@ -211,14 +211,41 @@ def check_config_files(argv: list[str], schema: dict | None = None) -> None:
                 raise ValueError(f"unknown config key {str(key)!r} in {path}{hint}")
         if schema is not None:
             check_section_keys(data, path, schema, class_paths)
+    if schema is not None:
+        check_argument_keys(argv, schema, class_paths)
 
 
-def _unknown(key: str, known: list[str], where: str) -> ValueError:
+def check_argument_keys(argv: list[str], schema: dict, class_paths: dict[str, str]) -> None:
+    """`--trainer.KEY`, `--SECTION.KEY` and `--model/data.init_args.KEY` options of the command line against the
+    cached schema, the model/data class taken from `--model CLASS` or the config files (`class_paths`)."""
+    pending: dict[str, str] = dict(class_paths)
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--") or "+=" in arg:
+            continue
+        key = arg[2:].split("=", 1)[0]
+        parts = key.split(".")
+        if len(parts) == 1 and parts[0] in ("model", "data") and i + 1 < len(argv) and "=" not in arg:
+            pending[parts[0]] = argv[i + 1]  # `--model CLASS`
+            continue
+        if len(parts) == 2 and parts[0] == "trainer":
+            known = schema["trainer"]
+        elif len(parts) == 2 and parts[0] in schema["sections"]:
+            known = schema["sections"][parts[0]]
+        elif len(parts) == 3 and parts[0] in ("model", "data") and parts[1] == "init_args":
+            known = schema["classes"].get(pending.get(parts[0], ""))
+        else:
+            continue
+        if known is not None and parts[-1] not in known:
+            raise _unknown(key, known, None)
+
+
+def _unknown(key: str, known: list[str], where: str | None) -> ValueError:
+    """The parser's own wording (`unknown config key 'k'; did you mean 'x'?`), plus the file that holds the key."""
     leaf = key.rpartition(".")[2]
     match = get_close_matches(leaf, known, n=1, cutoff=0.6)
     suggestion = f"{key.rpartition('.')[0]}.{match[0]}" if match and "." in key else (match[0] if match else None)
-    return ValueError(f"unknown config key {key!r} in {where}" + (f"; did you mean {suggestion!r}?" if suggestion
-                                                                 else ""))
+    return ValueError(f"unknown config key {key!r}" + (f" in {where}" if where else "")
+                      + (f"; did you mean {suggestion!r}?" if suggestion else ""))
 
 
 def check_section_keys(data: dict, path: str, schema: dict, class_paths: dict[str, str]) -> None:

@@ -229,6 +229,24 @@ def test_a_misspelt_key_in_a_file_is_found_from_the_cached_schema_without_lightn
     check_config_files(["--config", TINY, "--config", str(file)], None)  # without a schema: left to the parser
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--trainer.max_step", "3"], "unknown config key 'trainer.max_step'; did you mean 'trainer.max_steps'?"),
+    (["--model.init_args.warmup_stepz=3"], "unknown config key 'model.init_args.warmup_stepz'; did you mean "
+                                          "'model.init_args.warmup_steps'?"),
+    (["--preflight.nope", "1"], "unknown config key 'preflight.nope'"),
+])
+def test_a_misspelt_key_on_the_command_line_is_found_from_the_cached_schema(argv, message):
+    from glm_lightning.help_cache import build_schema
+    from glm_lightning.user_errors import check_config_files
+
+    with pytest.raises(ValueError) as err:
+        check_config_files(["--config", TINY, *argv], build_schema())
+    assert message in str(err.value)
+    check_config_files(["--config", TINY, "--trainer.max_steps", "3", "--model.init_args.lr", "1e-3",
+                        "--trainer.callbacks+=ModelCheckpoint", "--trainer.logger.init_args.name", "x"],
+                       build_schema())  # the real keys pass
+
+
 def test_a_missing_dependency_says_how_to_install_it(capsys, monkeypatch):
     """`python -m glm_lightning` run with a Python that lacks the project's packages (the system one instead of
     .venv's) used to end in a second ModuleNotFoundError from the error handler itself."""
