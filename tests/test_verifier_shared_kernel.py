@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import platform
 import sysconfig
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -364,8 +365,35 @@ def test_channel(case: Case, off: str, works: bool) -> None:
     v = verifier_for(off, case.workers, case.memory_mb)
     if case.cold and not os.path.exists(COLD):
         pytest.skip(f"{COLD} missing")
-    seen, details = attack_worked(case, v)
+    with host_disk_turn(case.disk):
+        seen, details = attack_worked(case, v)
+        for _ in range(DISK_REPEATS - 1 if case.disk and seen else 0):
+            # the host's disk counters are machine-wide: another process (a build, a test loading torch) can read or
+            # flush as much in the same second; a working attack shows every time, the neighbours' noise not
+            again, more = attack_worked(case, v)
+            seen, details = seen and again, details + more
     assert seen is works, details
+
+
+@contextmanager
+def host_disk_turn(disk: str | None) -> Iterator[None]:
+    """The cases judged by the host's disk counters take turns across pytest-xdist workers (a file lock): a
+    defence-off case's real O_DIRECT reads or flushes must not land in another worker's defended case's window."""
+    if not disk:
+        yield
+        return
+    import fcntl
+
+    with open(os.path.join(tempfile.gettempdir(), "glm-verifier-host-disk-tests.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+DISK_REPEATS = 3
+"""Times a case judged by the host's disk counters must show its effect to count as seen."""
 
 
 
