@@ -59,6 +59,8 @@ def run(quick: bool = False) -> dict:
             "error: key typo in a YAML section": (["fit", "--config", "configs/pretrain.yaml", "--config", str(typo)],
                                                   env, False),
             "error: misspelt section": (["fit", "--config", str(section)], env, False),
+            "error: value of the wrong type": (["fit", "--config", "configs/pretrain.yaml",
+                                                "--data.init_args.batch_size", "1.5"], env, False),
             "demo: first line": (["demo", "--dry-run"], env, True),
             "sweep: first line": (["sweep", "--config", "configs/experiments/ordering.yaml", "--dry-run"], env, True),
             "fit: first line": (["fit", "--config", "configs/pretrain.yaml", "--print_config"], env, True),

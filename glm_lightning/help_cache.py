@@ -102,26 +102,56 @@ def build_schema() -> dict[str, object]:
     from callbacks.last_checkpoint import LastCheckpoint
     from callbacks.preflight import Preflight
 
-    def params(cls: type) -> list[str]:
-        names: set[str] = set()
+    def signatures(cls: type) -> list[inspect.Parameter]:
+        out: list[inspect.Parameter] = []
         for klass in inspect.getmro(cls):
             if klass is cls or klass.__module__.split(".")[0] in ("glm_lightning", "callbacks", "datamodules"):
                 try:
-                    names |= {n for n in inspect.signature(klass.__init__).parameters
-                              if n not in ("self", "args", "kwargs")}
+                    out += [p for n, p in inspect.signature(klass.__init__).parameters.items()
+                            if n not in ("self", "args", "kwargs")]
                 except (TypeError, ValueError):
                     pass
-        return sorted(names)
+        return out
 
-    classes = {}
+    def params(cls: type) -> list[str]:
+        return sorted({p.name for p in signatures(cls)})
+
+    def types(cls: type) -> dict[str, list[object]]:
+        out: dict[str, list[object]] = {}
+        for p in signatures(cls):  # the class's own annotation first (its MRO order)
+            simple = simple_type(p.annotation)
+            if p.name not in out and simple is not None:
+                out[p.name] = list(simple)
+        return out
+
+    classes, class_types = {}, {}
     for module in (callbacks, datamodules, modules):
         for name, obj in vars(module).items():
             if inspect.isclass(obj):
                 for key in {name, f"{obj.__module__}.{name}", f"{module.__name__}.{name}"}:
-                    classes[key] = params(obj)
+                    classes[key], class_types[key] = params(obj), types(obj)
+    sections = {"last_checkpoint": LastCheckpoint, "preflight": Preflight, "final_validation": FinalValidation}
     return {"trainer": params(pl.Trainer), "classes": classes,
-            "sections": {"last_checkpoint": params(LastCheckpoint), "preflight": params(Preflight),
-                         "final_validation": params(FinalValidation)}}
+            "sections": {name: params(cls) for name, cls in sections.items()},
+            "types": {"trainer": types(pl.Trainer), "classes": class_types,
+                      "sections": {name: types(cls) for name, cls in sections.items()}}}
+
+
+SIMPLE_TYPES = ("int", "float", "bool")
+
+
+def simple_type(annotation: object) -> tuple[str, bool] | None:
+    """`(name, nullable)` for an annotation that is int, float or bool, optionally with None (`int | None`,
+    `Optional[int]`, `Union[int, NoneType]`); None for anything else (the parser checks those)."""
+    import re
+
+    text = re.sub(r"<class '(\w+)'>", r"\1", str(annotation)).replace("typing.", "")
+    for pattern, nullable in ((r"^(\w+)$", False), (r"^(\w+) \| None$", True), (r"^None \| (\w+)$", True),
+                              (r"^Optional\[(\w+)\]$", True), (r"^Union\[(\w+), NoneType\]$", True)):
+        found = re.match(pattern, text)
+        if found and found.group(1) in SIMPLE_TYPES:
+            return found.group(1), nullable
+    return None
 
 
 def cached_schema() -> dict | None:

@@ -227,16 +227,53 @@ def check_argument_keys(argv: list[str], schema: dict, class_paths: dict[str, st
         if len(parts) == 1 and parts[0] in ("model", "data") and i + 1 < len(argv) and "=" not in arg:
             pending[parts[0]] = argv[i + 1]  # `--model CLASS`
             continue
+        types = schema.get("types", {})
         if len(parts) == 2 and parts[0] == "trainer":
-            known = schema["trainer"]
+            known, kind = schema["trainer"], types.get("trainer", {}).get(parts[1])
         elif len(parts) == 2 and parts[0] in schema["sections"]:
-            known = schema["sections"][parts[0]]
+            known, kind = schema["sections"][parts[0]], types.get("sections", {}).get(parts[0], {}).get(parts[1])
         elif len(parts) == 3 and parts[0] in ("model", "data") and parts[1] == "init_args":
-            known = schema["classes"].get(pending.get(parts[0], ""))
+            cls = pending.get(parts[0], "")
+            known, kind = schema["classes"].get(cls), types.get("classes", {}).get(cls, {}).get(parts[2])
         else:
             continue
         if known is not None and parts[-1] not in known:
             raise _unknown(key, known, None)
+        raw = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else None)
+        if kind is not None and raw is not None:
+            import yaml
+
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                continue  # the parser says what is wrong with it
+            check_value(key, value, kind, None, shown=raw)
+
+
+def check_value(key: str, value: object, kind: list | None, where: str | None, shown: object = None) -> None:
+    """A value of a key annotated int, float or bool (optionally None) that cannot be one, in the parser's words
+    (`data.init_args.batch_size: expected int, got '1.5'`), plus the file that holds it."""
+    if kind is None:
+        return
+    name, nullable = kind
+    ok = (value is None and nullable) or (
+        name == "int" and ((isinstance(value, int) and not isinstance(value, bool))
+                           or (isinstance(value, str) and value.strip().lstrip("+-").isdigit()))) or (
+        name == "float" and ((isinstance(value, (int, float)) and not isinstance(value, bool))
+                             or (isinstance(value, str) and _is_float(value)))) or (
+        name == "bool" and (isinstance(value, bool) or str(value).lower() in ("true", "false")))
+    if not ok:
+        got = str(shown if shown is not None else value)
+        expected = " or ".join([name, *(["null"] if nullable else [])])
+        raise ValueError(f"{key}: expected {expected}, got {got!r}" + (f" (in {where})" if where else ""))
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _unknown(key: str, known: list[str], where: str | None) -> ValueError:
@@ -252,16 +289,20 @@ def check_section_keys(data: dict, path: str, schema: dict, class_paths: dict[st
     """The keys inside `trainer:`, the always-on sections and the `init_args` of a project class named by
     `class_path` (here or in an earlier file: `class_paths` carries them across a command's files), checked
     against the cached schema (`help_cache`). A class the schema does not know is left to the parser."""
+    types = schema.get("types", {})
     trainer = data.get("trainer")
     if isinstance(trainer, dict):
         for key in trainer:
             if key not in schema["trainer"]:
                 raise _unknown(f"trainer.{key}", schema["trainer"], path)
+            check_value(f"trainer.{key}", trainer[key], types.get("trainer", {}).get(key), path)
     for section, known in schema["sections"].items():
         if isinstance(data.get(section), dict):
             for key in data[section]:
                 if key not in known:
                     raise _unknown(f"{section}.{key}", known, path)
+                check_value(f"{section}.{key}", data[section][key], types.get("sections", {}).get(section, {}).get(key),
+                            path)
     for section in ("model", "data"):
         node = data.get(section)
         if not isinstance(node, dict):
@@ -272,9 +313,11 @@ def check_section_keys(data: dict, path: str, schema: dict, class_paths: dict[st
         init = node.get("init_args")
         if known is None or not isinstance(init, dict):
             continue
+        class_types = types.get("classes", {}).get(class_paths.get(section, ""), {})
         for key in init:
             if key not in known:
                 raise _unknown(f"{section}.init_args.{key}", known, path)
+            check_value(f"{section}.init_args.{key}", init[key], class_types.get(key), path)
 
 
 def describe(err: BaseException, argv: list[str] | None = None) -> str:

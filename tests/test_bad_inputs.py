@@ -230,6 +230,9 @@ def test_a_misspelt_key_in_a_file_is_found_from_the_cached_schema_without_lightn
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--data.init_args.batch_size", "1.5"], "data.init_args.batch_size: expected int, got '1.5'"),
+    (["--trainer.max_steps=abc"], "trainer.max_steps: expected int, got 'abc'"),
+    (["--model.init_args.dev_eval", "maybe"], "model.init_args.dev_eval: expected bool, got 'maybe'"),
     (["--trainer.max_step", "3"], "unknown config key 'trainer.max_step'; did you mean 'trainer.max_steps'?"),
     (["--model.init_args.warmup_stepz=3"], "unknown config key 'model.init_args.warmup_stepz'; did you mean "
                                           "'model.init_args.warmup_steps'?"),
@@ -243,8 +246,18 @@ def test_a_misspelt_key_on_the_command_line_is_found_from_the_cached_schema(argv
         check_config_files(["--config", TINY, *argv], build_schema())
     assert message in str(err.value)
     check_config_files(["--config", TINY, "--trainer.max_steps", "3", "--model.init_args.lr", "1e-3",
+                        "--model.init_args.dev_eval", "false", "--data.init_args.diversity", "null",
                         "--trainer.callbacks+=ModelCheckpoint", "--trainer.logger.init_args.name", "x"],
-                       build_schema())  # the real keys pass
+                       build_schema())  # the real keys and values pass
+
+
+def test_simple_types_are_read_from_the_annotations():
+    from glm_lightning.help_cache import simple_type
+
+    assert simple_type(int) == ("int", False) and simple_type("int | None") == ("int", True)
+    assert simple_type("typing.Optional[float]") == ("float", True) and simple_type("bool") == ("bool", False)
+    assert simple_type("typing.Union[int, NoneType]") == ("int", True)
+    assert simple_type("list[int] | None") is None and simple_type("typing.Union[str, int]") is None
 
 
 def test_a_missing_dependency_says_how_to_install_it(capsys, monkeypatch):

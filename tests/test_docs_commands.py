@@ -67,12 +67,26 @@ def _cases() -> list:
     return cases
 
 
+_SCHEMA: list[dict] = []
+
+
+def _schema() -> dict:
+    """The config schema `make venv` caches (built once per test process)."""
+    if not _SCHEMA:
+        from glm_lightning.help_cache import build_schema
+
+        _SCHEMA.append(build_schema())
+    return _SCHEMA[0]
+
+
 def parse_documented(command: str) -> None:
     """Parse one command (its arguments after `python -m glm_lightning`); raise if it would not start."""
     args = [a.strip("[]") for a in shlex.split(command)]
     if args[0] in ("fit", "validate", "test"):
         from glm_lightning.stage_cli import parse_command
+        from glm_lightning.user_errors import check_config_files
 
+        check_config_files(args[1:], _schema())  # the fast checks before the imports accept it too
         parse_command(args)
     elif args[0] == "demo":
         from glm_lightning.demo import build_parser
