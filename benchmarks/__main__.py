@@ -34,7 +34,7 @@ torch.set_num_threads(threads)
 res = importlib.import_module(f"benchmarks.bench_{name}").run(quick=quick)
 res.setdefault("threads", threads)
 from glm_lightning import machine
-res.setdefault("machine", machine.describe(machine.machine_info(threads)))
+res.setdefault("machine", machine.describe({**machine.machine_info(), "threads": threads}))
 res.setdefault("peak_rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 json.dump(res, open(out, "w"), default=str)
 """

@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> list[StageResult]:
         keep_copy(results[-1].checkpoint, "rl", stable)
     from glm_lightning.machine import describe, machine_info
 
-    print(summary(results, stable, describe(machine_info(threads))))
+    print(summary(results, stable, describe(machine_info())))  # the stages set torch's threads in this process
     return results
 
 

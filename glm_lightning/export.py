@@ -91,10 +91,9 @@ def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> P
     import torch
     from safetensors.torch import save_file
 
+    from glm_lightning.model import GLMConfig
     from glm_lightning.modules.base import load_checkpoint_file
     from glm_lightning.pretrained import build_model
-
-    from glm_lightning.model import GLMConfig
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:

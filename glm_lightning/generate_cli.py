@@ -23,18 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-LAZY = ("BANNED", "TOK", "Sample", "as_training_prompt", "load_model", "stream_sample")
-"""Names re-exported from glm_lightning.pretrained on first use (it imports torch: `--help` should not wait)."""
-
-
-def __getattr__(name: str) -> Any:
-    if name in LAZY:
-        from glm_lightning import pretrained
-
-        return getattr(pretrained, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-PRECISIONS = ("32", "bf16")  # glm_lightning.generation.PRECISIONS, named here so --help imports no torch model code
+from glm_lightning.precision import PRECISIONS
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,6 +33,7 @@ import torch
 
 from glm_lightning.model.cache import ModelCache
 from glm_lightning.model.dsa import DSACache
+from glm_lightning.precision import PRECISIONS
 from glm_lightning.tokenizer import ByteTokenizer
 
 _TOK = ByteTokenizer()
@@ -113,8 +114,6 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
-PRECISIONS = ("32", "bf16")
-"""The `precision` values of generation: the model's own fp32 weights, or a bf16 copy of its matrices."""
 
 
 def check_precision(precision: str) -> str:

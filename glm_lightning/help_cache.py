@@ -9,6 +9,7 @@ kept once per code and library versions (`~/.cache/glm_lightning/help/`, `XDG_CA
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -30,11 +31,18 @@ def cache_dir() -> Path:
 
 
 def cache_key(argv: Sequence[str]) -> str:
-    """What the help text depends on: the command line, the project's sources (names, sizes, mtimes), the library
-    versions (the text is built at a fixed width, `WIDTH`)."""
+    """What the help text depends on: the command line, the project's sources and the library versions (the text is
+    built at a fixed width, `WIDTH`)."""
+    return hashlib.sha256(("\0".join(argv) + "\0" + code_digest()).encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """The project's sources (names, sizes, mtimes) and the library versions, read once per process (a fit asks
+    for the schema path twice: before the imports and after them)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    digest = hashlib.sha256("\0".join(argv).encode())
+    digest = hashlib.sha256()
     for folder in SOURCES:
         for path in sorted((ROOT / folder).rglob("*.py")):
             st = path.stat()
@@ -44,7 +52,7 @@ def cache_key(argv: Sequence[str]) -> str:
             digest.update(f"{name}={version(name)}\n".encode())
         except PackageNotFoundError:
             digest.update(f"{name}=none\n".encode())
-    return digest.hexdigest()[:32]
+    return digest.hexdigest()
 
 
 def is_help_only(argv: Sequence[str]) -> bool:

@@ -37,14 +37,14 @@ def cpu_key() -> str:
     return f"{cpu_model()} [{cpu_capability()}]"
 
 
-def machine_info(threads: int | None = None) -> dict[str, object]:
-    """The run's machine: CPU model and capability, the intra-op thread count in force (or `threads`), versions."""
+def machine_info() -> dict[str, object]:
+    """The run's machine: CPU model and capability, the intra-op thread count in force, versions."""
     import torch
 
     info: dict[str, object] = {
         "cpu": cpu_model(),
         "cpu_capability": cpu_capability(),
-        "threads": int(torch.get_num_threads() if threads is None else threads),
+        "threads": int(torch.get_num_threads()),
         "torch": str(torch.__version__),
         "python": platform.python_version(),
     }

@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+PRECISIONS = ("32", "bf16")
+"""The `precision` values of generation: the model's own fp32 weights, or a bf16 copy of its matrices."""
+
 NATIVE_FLAGS = ("avx512_bf16", "amx_bf16")
 """/proc/cpuinfo flags of a CPU with bf16 dot-product instructions (in the order the log line prefers)."""
 

@@ -112,11 +112,6 @@ def stream_sample(model: GLMModel, prompt: str, max_new_tokens: int, temperature
     return Sample(text=text, stop=reason, prompt=prompt, tokens=tokens)
 
 
-def is_export(path: str | Path) -> bool:
-    path = Path(path)
-    return path.is_dir() and all((path / name).is_file() for name in EXPORT_FILES)
-
-
 def read_export(folder: str | Path) -> tuple[GLMConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """Model config, LM weights and the export's metadata (`export.json`) of an export folder; a missing, truncated
     or foreign file is a one-line ValueError naming it."""
@@ -162,16 +157,21 @@ def build_model(cfg: GLMConfig, state: dict[str, torch.Tensor], source: str | Pa
     return model.eval()
 
 
+def read_weights(path: str | Path) -> tuple[GLMConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Model config, LM weights and the run's record of an export folder (`export.json`) or any stage's checkpoint
+    (`run_record.checkpoint_record`), each file read once; a folder that is no export is a one-line error."""
+    if Path(path).is_dir():
+        return read_export(path)
+    from glm_lightning.modules.base import read_checkpoint
+    from glm_lightning.run_record import checkpoint_record
+
+    cfg, state, ckpt = read_checkpoint(path)
+    return cfg, state, checkpoint_record(ckpt)
+
+
 def load_model(path: str | Path) -> GLMModel:
     """The shared model of an export folder or any stage's checkpoint, in eval mode."""
-    if Path(path).is_dir() and not is_export(path):
-        read_export(path)  # the one-line error naming what is missing
-    if is_export(path):
-        cfg, state, _ = read_export(path)
-        return build_model(cfg, state, path)
-    from glm_lightning.modules.base import read_checkpoint
-
-    cfg, state, _ = read_checkpoint(path)
+    cfg, state, _ = read_weights(path)
     return build_model(cfg, state, path)
 
 
@@ -221,12 +221,5 @@ class Pretrained:
 
 def load(path: str | Path) -> Pretrained:
     """A trained model from an export folder or any stage's checkpoint (see the module docstring)."""
-    info: dict[str, Any] = {}
-    if is_export(path):
-        cfg, state, info = read_export(path)
-        return Pretrained(build_model(cfg, state, path), path, info)
-    model = load_model(path)
-    from glm_lightning.run_record import checkpoint_record
-    from glm_lightning.modules.base import load_checkpoint_file
-
-    return Pretrained(model, path, checkpoint_record(load_checkpoint_file(path)))
+    cfg, state, info = read_weights(path)
+    return Pretrained(build_model(cfg, state, path), path, info)

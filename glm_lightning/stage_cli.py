@@ -100,11 +100,11 @@ class GLMCLI(LightningCLI):
             drop_progress_bars_when_disabled(config)
             plain_progress_off_terminal(config)
             summary_without_zero_flops(config)
-        self.run_threads = choose_run_threads(config.get("threads") if config is not None else None)
+        choose_run_threads(config.get("threads") if config is not None else None)
 
     def after_instantiate_classes(self) -> None:
         super().after_instantiate_classes()
-        record_machine(self.trainer, self.model, getattr(self, "run_threads", None))
+        record_machine(self.trainer, self.model)
         from glm_lightning.help_cache import keep_schema
 
         keep_schema()  # once per code version: the next command's config-key errors need no Lightning import
@@ -122,20 +122,20 @@ def choose_run_threads(spec: int | str | None = None) -> int:
     n, how = resolve_threads(spec)
     use_threads(n)
     rank_zero_info(f"[threads] {n} intra-op thread{'s' if n != 1 else ''}: {how}")
-    if spec is None or str(spec).lower() != "auto":
+    if spec is None:  # a count the user chose (N, auto) or the demo passed on is not second-guessed
         warning = busy_warning(n)
         if warning:
             rank_zero_info(f"[threads] warning: {warning}")
     return n
 
 
-def record_machine(trainer: pl.Trainer, model: Any, threads: int | None) -> dict[str, Any]:
+def record_machine(trainer: pl.Trainer, model: Any) -> dict[str, Any]:
     """Say and record what fixes this run besides its seed: the CPU kind, torch's CPU capability, the thread count
     and versions (`glm_lightning.machine`). They go into the logger's hyperparameters (hparams.yaml, beside the
     stage's own), the module (`model.machine`: every checkpoint and the final HPARAMS entry carry it)."""
     from glm_lightning.machine import describe, machine_info
 
-    info = machine_info(threads)
+    info = machine_info()  # torch's thread count as set, not as asked for
     rank_zero_info(f"[machine] {describe(info)} (seed + CPU kind + threads fix a run's result)")
     if model is not None:
         model.machine = info
@@ -183,7 +183,12 @@ def drop_progress_bars_when_disabled(config: Any) -> None:
     if trainer.get("enable_progress_bar") is not False or not isinstance(callbacks, list):
         return
     trainer["callbacks"] = [cb for cb in callbacks
-                            if not str(getattr(cb, "get", lambda *_: "")("class_path", "")).endswith("ProgressBar")]
+                            if not class_path_of(cb).endswith("ProgressBar")]
+
+
+def class_path_of(entry: Any) -> str:
+    """The `class_path` of a parsed callback entry ("" for anything else)."""
+    return str(entry.get("class_path", "")) if hasattr(entry, "get") else ""
 
 
 PLAIN_PROGRESS = "callbacks.progress.PlainProgressBar"
@@ -207,7 +212,7 @@ def plain_progress_off_terminal(config: Any, is_terminal: bool | None = None) ->
     entries = [] if entries is None else entries
     if not isinstance(entries, list):
         return False
-    bars = [cb for cb in entries if str(getattr(cb, "get", lambda *_: "")("class_path", "")).endswith("ProgressBar")]
+    bars = [cb for cb in entries if class_path_of(cb).endswith("ProgressBar")]
     for cb in bars:
         cb["class_path"] = PLAIN_PROGRESS
         cb["init_args"] = Namespace()
@@ -227,7 +232,7 @@ def summary_without_zero_flops(config: Any) -> None:
     entries = [] if entries is None else entries
     if trainer.get("enable_model_summary") is False or trainer.get("fast_dev_run") or not isinstance(entries, list):
         return
-    if any(str(getattr(cb, "get", lambda *_: "")("class_path", "")).endswith("ModelSummary") for cb in entries):
+    if any(class_path_of(cb).endswith("ModelSummary") for cb in entries):
         return
     entries.append(Namespace(class_path="callbacks.summary.ParamsSummary", init_args=Namespace()))
     trainer["callbacks"] = entries

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from glm_lightning.generate_cli import load_model, run, stream_sample
+from glm_lightning.generate_cli import run
+from glm_lightning.pretrained import load_model, stream_sample
 from glm_lightning.model import GLMConfig, GLMModel
 from glm_lightning.tasks.families import family_names
 

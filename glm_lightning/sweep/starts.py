@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
             runs[label] = Path(path)
         if not 0 <= args.target <= 1:
             raise StudyError(f"--target is a pass rate in [0, 1], got {args.target}")
-        from glm_lightning.generate_cli import load_model
+        from glm_lightning.pretrained import load_model
 
         def evaluate(ckpt: Path) -> float:
             counts = greedy_pass_by_family(load_model(str(ckpt)), args.families, args.per_family, args.split)
