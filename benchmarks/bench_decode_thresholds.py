@@ -1,6 +1,8 @@
 """Decode thresholds (glm_lightning/model/ops/thresholds.py): flash-25m cached generation, 16 samples x 48 new tokens
 after a 64-token prompt, with SMALL_ROWS / SMALL_TOKENS as this CPU's table sets them and as the other kind of CPU's
-(AVX-512: 32 / 64; AVX2: 0 / 0, BLAS always), alternated in one process; median tokens/s of the rounds.
+(AVX-512: 32 / 64; AVX2: 0 / 0, BLAS always), alternated in one process; median tokens/s of the rounds. Below the
+thresholds the few-row matmuls run as ``panel_matmul`` on weights packed for the decode (matmul.PANELS), or, in the
+rows marked so, as ``small_matmul`` on the weights as stored.
 
     python -m benchmarks.bench_decode_thresholds [--rounds 5] [--threads 1]
 """
@@ -15,11 +17,12 @@ import torch
 
 from glm_lightning.generation import generate
 from glm_lightning.model import GLMConfig, GLMModel
-from glm_lightning.model.ops import thresholds
+from glm_lightning.model.ops import matmul, thresholds
 
-SETTINGS = {"small_matmul (32 / 64)": (32, 64), "BLAS (0 / 0)": (0, 0), "SMALL_ROWS 0 only": (0, 64),
-            "SMALL_TOKENS 0 only": (32, 0)}
-"""(SMALL_ROWS, SMALL_TOKENS) per row of the table."""
+SETTINGS = {"panel_matmul (32 / 64)": (32, 64, True), "small_matmul (32 / 64)": (32, 64, False),
+            "BLAS (0 / 0)": (0, 0, False), "panels, SMALL_ROWS 0 only": (0, 64, True),
+            "panels, SMALL_TOKENS 0 only": (32, 0, True)}
+"""(SMALL_ROWS, SMALL_TOKENS, matmul.PANELS) per row of the table."""
 
 
 def main() -> None:
@@ -32,6 +35,7 @@ def main() -> None:
     model = GLMModel(GLMConfig.preset("flash-25m")).eval()
     prompt = torch.randint(0, 256, (1, 64))
     shipped = (thresholds.SMALL_ROWS, thresholds.SMALL_TOKENS)
+    panels = matmul.PANELS
 
     def run() -> None:
         generate(model, prompt, max_new_tokens=48, num_samples=16, temperature=1.0, eos_id=None,
@@ -39,22 +43,23 @@ def main() -> None:
 
     times: dict[str, list[float]] = {name: [] for name in SETTINGS}
     try:
-        for rows, tokens in SETTINGS.values():  # warm-up
+        for rows, tokens, matmul.PANELS in SETTINGS.values():  # warm-up
             thresholds.SMALL_ROWS, thresholds.SMALL_TOKENS = rows, tokens
             run()
         for _ in range(args.rounds):
-            for name, (rows, tokens) in SETTINGS.items():
+            for name, (rows, tokens, matmul.PANELS) in SETTINGS.items():
                 thresholds.SMALL_ROWS, thresholds.SMALL_TOKENS = rows, tokens
                 t = time.perf_counter()
                 run()
                 times[name].append(time.perf_counter() - t)
     finally:
         thresholds.SMALL_ROWS, thresholds.SMALL_TOKENS = shipped
+        matmul.PANELS = panels
     print(f"cached generation, flash-25m, 16 x 48, {args.threads} thread(s), CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, shipped thresholds {shipped}, median of {args.rounds} rounds")
-    print(f"{'(SMALL_ROWS, SMALL_TOKENS)':28s} {'tokens/s':>9s}  rounds")
+    print(f"{'(SMALL_ROWS, SMALL_TOKENS)':30s} {'tokens/s':>9s}  rounds")
     for name, ts in times.items():
-        print(f"{name:28s} {16 * 48 / statistics.median(ts):9.0f}  {', '.join(f'{16 * 48 / t:.0f}' for t in ts)}")
+        print(f"{name:30s} {16 * 48 / statistics.median(ts):9.0f}  {', '.join(f'{16 * 48 / t:.0f}' for t in ts)}")
 
 
 if __name__ == "__main__":

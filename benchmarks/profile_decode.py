@@ -4,10 +4,11 @@ so it is the number to compare across commits for cached generation, which is bo
     python -m benchmarks.profile_decode [--rows 16] [--by-frame] [--time]
 
 `--by-frame` groups the ops by the innermost glm_lightning source frame (which code issues them). `--time` also times
-decode steps without the profiler (:func:`time_decode`): the median step, the part spent in ``small_matmul`` (the C++
-op that streams the weights of the decode's linears and experts; timed around each call, so its time includes the
-call's own dispatch) and the weight bytes it read, so a step splits into weight streaming and everything else
-(the other ops, Python and dispatch).
+decode steps without the profiler (:func:`time_decode`): the median step, the part spent in the decode's few-row
+matmuls (the C++ ops that stream the weights of the decode's linears and experts: ``panel_matmul`` on the weights
+packed for the decode, else ``small_matmul``; timed around each call, so its time includes the call's own dispatch)
+and the weight bytes they read, so a step splits into weight streaming and everything else (the other ops, Python and
+dispatch).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def profile_decode(rows: int = 16, prompt_len: int = 64, by_frame: bool = False)
 
 def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: str = "flash-25m") -> dict[str, Any]:
     """Median seconds of a decode step of ``rows`` rows (after a prefill and two untimed steps), and per step: the
-    seconds inside ``small_matmul`` calls, their number and the weight bytes they read (a padded expert with no row
-    is not read). The C++ ops must be loaded for ``small_matmul`` to run; without them its fields are 0."""
+    seconds inside the decode's few-row matmul calls (``panel_matmul`` on packed weights, or ``small_matmul``), their
+    number and the weight bytes they read (a padded expert with no row is not read). The C++ ops must be loaded for
+    them to run; without them these fields are 0."""
     from glm_lightning.model.ops import matmul, moe
 
     torch.manual_seed(0)
@@ -55,18 +57,28 @@ def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: s
     prompt = torch.randint(0, model.cfg.vocab_size, (1, prompt_len))
     tok = torch.randint(0, model.cfg.vocab_size, (rows, 1))
     acc = {"s": 0.0, "calls": 0, "bytes": 0}
-    inner = matmul.small_matmul
+    small, panel = matmul.small_matmul, matmul.panel_matmul
 
-    def timed(x2, weight, counts, bias=None):
-        t = time.perf_counter()
-        y = inner(x2, weight, counts, bias)
+    def count(t: float, counts: torch.Tensor | None, matrix_bytes: int, matrices: int) -> None:
         acc["s"] += time.perf_counter() - t
         acc["calls"] += 1
-        acc["bytes"] += weight.nbytes if counts is None else int((counts > 0).sum()) * weight[0].nbytes
+        acc["bytes"] += matrix_bytes * (matrices if counts is None else int((counts > 0).sum()))
+
+    def timed_small(x2, weight, counts, bias=None):
+        t = time.perf_counter()
+        y = small(x2, weight, counts, bias)
+        count(t, counts, weight.shape[-2] * weight.shape[-1] * weight.element_size(), 1)
+        return y
+
+    def timed_panel(x, panels, out, counts, bias=None):
+        t = time.perf_counter()
+        y = panel(x, panels, out, counts, bias)
+        count(t, counts, out * panels.shape[-2] * panels.element_size(), 1)
         return y
 
     times = []
-    matmul.small_matmul = moe.small_matmul = timed
+    matmul.small_matmul = moe.small_matmul = timed_small
+    matmul.panel_matmul = timed_panel
     try:
         with torch.inference_mode():
             cache = decode_cache(model, 1, prompt_len + steps + 4)
@@ -80,11 +92,11 @@ def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: s
                 model(tok, cache=cache)
                 times.append(time.perf_counter() - t)
     finally:
-        matmul.small_matmul = moe.small_matmul = inner
+        matmul.small_matmul = moe.small_matmul = small
+        matmul.panel_matmul = panel
     sm = acc["s"] / steps
-    return {"rows": rows, "step_s": statistics.median(times), "small_matmul_s": sm,
-            "small_matmul_calls": acc["calls"] / steps,
-            "small_matmul_bytes": acc["bytes"] / steps, "small_matmul_gbs": acc["bytes"] / steps / sm / 1e9 if sm else 0.0}
+    return {"rows": rows, "step_s": statistics.median(times), "matmul_s": sm, "matmul_calls": acc["calls"] / steps,
+            "matmul_bytes": acc["bytes"] / steps, "matmul_gbs": acc["bytes"] / steps / sm / 1e9 if sm else 0.0}
 
 
 def _frame(e) -> str:
@@ -101,7 +113,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--by-frame", action="store_true")
-    p.add_argument("--time", action="store_true", help="also time decode steps (no profiler): small_matmul's share")
+    p.add_argument("--time", action="store_true", help="also time decode steps (no profiler): the matmuls' share")
     args = p.parse_args()
     n, counts = profile_decode(args.rows, by_frame=args.by_frame)
     for name, c in counts.most_common(args.top):
@@ -111,10 +123,10 @@ def main() -> None:
         from glm_lightning import machine
 
         r = time_decode(args.rows)
-        rest = r["step_s"] - r["small_matmul_s"]
-        print(f"{machine.describe()}: decode step {r['step_s'] * 1e3:.1f} ms (median), small_matmul "
-              f"{r['small_matmul_s'] * 1e3:.1f} ms in {r['small_matmul_calls']:.0f} calls "
-              f"({r['small_matmul_bytes'] / 1e6:.1f} MB of weights, {r['small_matmul_gbs']:.1f} GB/s), the rest "
+        rest = r["step_s"] - r["matmul_s"]
+        print(f"{machine.describe()}: decode step {r['step_s'] * 1e3:.1f} ms (median), few-row matmuls "
+              f"{r['matmul_s'] * 1e3:.1f} ms in {r['matmul_calls']:.0f} calls "
+              f"({r['matmul_bytes'] / 1e6:.1f} MB of weights, {r['matmul_gbs']:.1f} GB/s), the rest "
               f"{rest * 1e3:.1f} ms ({n} ATen ops: {rest / n * 1e6:.1f} us per op)")
 
 

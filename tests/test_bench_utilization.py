@@ -94,22 +94,25 @@ def test_summary_rows_of_a_native_bf16_run():
 
 @pytest.mark.parametrize("cpp", [False, pytest.param(True, marks=pytest.mark.skipif(
     not __import__("glm_lightning.model.cext", fromlist=["available"]).available(), reason="C++ ops not built"))])
-def test_time_decode_splits_a_step_and_puts_small_matmul_back(cpp):
-    """profile_decode.time_decode on the tiny model: with the C++ ops it counts the small_matmul calls of a step and
-    the weight bytes they read (at most every matrix once), without them none; small_matmul is restored after."""
+def test_time_decode_splits_a_step_and_puts_the_matmuls_back(cpp, monkeypatch):
+    """profile_decode.time_decode on the tiny model: with the C++ ops it counts the few-row matmul calls of a step
+    (panel_matmul on the decode's packed weights) and the weight bytes they read (at most every matrix once), without
+    them none; the ops it wraps are restored after."""
     from benchmarks.profile_decode import time_decode
     from glm_lightning.model import ops
-    from glm_lightning.model.ops import matmul, moe
+    from glm_lightning.model.ops import matmul, moe, thresholds
 
-    inner = (matmul.small_matmul, moe.small_matmul)
+    monkeypatch.setattr(thresholds, "SMALL_ROWS", 32)  # the AVX-512 table's values (0 on AVX2: BLAS always)
+    monkeypatch.setattr(thresholds, "SMALL_TOKENS", 64)
+    inner = (matmul.small_matmul, moe.small_matmul, matmul.panel_matmul)
     with ops.cpp_ops(cpp):
         r = time_decode(rows=4, steps=2, prompt_len=8, preset="tiny")
-    assert (matmul.small_matmul, moe.small_matmul) == inner
-    assert r["step_s"] > 0 and r["small_matmul_s"] >= 0
+    assert (matmul.small_matmul, moe.small_matmul, matmul.panel_matmul) == inner
+    assert r["step_s"] > 0 and r["matmul_s"] >= 0
     if not cpp:
-        assert r["small_matmul_calls"] == 0 and r["small_matmul_bytes"] == 0
+        assert r["matmul_calls"] == 0 and r["matmul_bytes"] == 0
         return
     model = GLMModel(GLMConfig.preset("tiny"))
     matrices = sum(p.nbytes for p in model.parameters() if p.dim() >= 2)
-    assert r["small_matmul_calls"] >= model.cfg.n_layers  # at least the experts of every layer
-    assert 0 < r["small_matmul_bytes"] <= matrices
+    assert r["matmul_calls"] >= model.cfg.n_layers  # at least the experts of every layer
+    assert 0 < r["matmul_bytes"] <= matrices

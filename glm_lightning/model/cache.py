@@ -147,10 +147,14 @@ class ModelCache:
     layers: list[LayerCache] = field(default_factory=list)
     length: int = 0
     """Tokens (including left padding) already processed; the next token sits at position `length`."""
+    packed: dict[Tensor, Tensor] = field(default_factory=dict)
+    """The weights' panel-packed copies for this generation's few-row linears and experts (ops.matmul.packed_weights:
+    packed on first use, shared by the caches derived from this one). They live with the cache, as KDACache's
+    in_weights do: weights cannot change during one generation but may between generations."""
 
     def repeat_interleave(self, n: int) -> ModelCache:
         """Each row replicated n times (prefill a prompt once, then sample G completions from it)."""
-        return ModelCache([c.repeat_interleave(n) for c in self.layers], self.length)
+        return ModelCache([c.repeat_interleave(n) for c in self.layers], self.length, self.packed)
 
     def index_select(self, rows: torch.Tensor) -> ModelCache:
-        return ModelCache([c.index_select(rows) for c in self.layers], self.length)
+        return ModelCache([c.index_select(rows) for c in self.layers], self.length, self.packed)

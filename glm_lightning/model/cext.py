@@ -41,7 +41,7 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp
                                                                 "kda_recurrent.cpp", "site_read.cpp",
                                                                 "short_conv.cpp", "swiglu.cpp", "moe_rows.cpp",
                                                                 "kda_pointwise.cpp", "moe_route.cpp", "rms_norm.cpp",
-                                                                "decode_attention.cpp"))
+                                                                "decode_attention.cpp", "panel_matmul.cpp"))
 HEADERS = (Path(__file__).parent / "csrc" / "kernel_helpers.h",)
 """Included by the sources: hashed with them, so that a change rebuilds the library."""
 BUILD_TIMEOUT_S = 2400

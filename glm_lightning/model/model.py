@@ -25,6 +25,7 @@ from glm_lightning.model.mlp import DenseSwiGLU
 from glm_lightning.model.moe import MoE
 from glm_lightning.model.norm import RMSNorm
 from glm_lightning.model.ops import linear
+from glm_lightning.model.ops.matmul import packed_weights
 
 
 @dataclass
@@ -83,8 +84,14 @@ class GLMModel(nn.Module):
         """Logits for `input_ids` [B, T] (or precomputed `input_embeds` [B, T, C], e.g. with image tokens spliced in).
 
         `valid` [B, T] marks real tokens (False = left padding); `cache` (from `new_cache`) makes the call
-        incremental: the tokens continue the sequences held in the cache, which is updated in place.
+        incremental: the tokens continue the sequences held in the cache, which is updated in place. Decoding (a cache,
+        no autograd) packs the weights of its few-row matmuls once into the cache (ops.matmul.packed_weights).
         """
+        with packed_weights(cache.packed if cache is not None and not torch.is_grad_enabled() else None):
+            return self._forward(input_ids, valid, cache, input_embeds)
+
+    def _forward(self, input_ids: torch.Tensor | None, valid: torch.Tensor | None, cache: ModelCache | None,
+                 input_embeds: torch.Tensor | None) -> GLMOutput:
         x = self._embed_checked(input_ids, input_embeds, cache)
         streams = expand_streams(x, self.cfg.hc_streams)
         aux = x.new_zeros(())

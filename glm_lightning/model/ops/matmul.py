@@ -5,7 +5,9 @@ matmul's reshape and view nodes plus ``MmBackward0`` and the weight's ``TBackwar
 per layer in backward; :class:`_Linear` replays as ~9 (dx = dy W, dW = dy^T x, db = sum(dy)). Its forward is the same
 ``addmm``/``mm`` that ``F.linear`` runs, so values are bit for bit those of ``F.linear``. Without autograd (decoding)
 it is the same ``mm``/``addmm`` called directly (7 dispatched ops instead of 11-12), or for a few rows
-``glm_lightning::small_matmul`` (thresholds.SMALL_ROWS).
+(thresholds.SMALL_ROWS) a C++ op that streams each weight once: inside a cached decode (:func:`packed_weights`, entered
+by the model's forward with a decoding cache) ``glm_lightning::panel_matmul`` on the weight packed once per generation
+into output panels (csrc/panel_matmul.cpp), else ``glm_lightning::small_matmul`` on the weight as stored.
 
 Under bf16 (autocast, or bf16 weights) x, W and b are cast to bf16 at the op's boundary and the three GEMMs go through
 mixed_precision.py (native or emulated bf16 kernels); ``fp32=True`` keeps a small projection in fp32 whatever the
@@ -13,6 +15,9 @@ autocast (the router, the KDA decay gate: their outputs feed a sigmoid that pick
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +58,46 @@ def small_matmul(x2: Tensor, weight: Tensor, counts: Tensor | None, bias: Tensor
     return torch.ops.glm_lightning.small_matmul(x2, weight, counts, bias)
 
 
+PANELS = True
+"""Whether cached decoding packs its few-row matmuls' weights into panels (``panel_matmul``); False keeps
+``small_matmul`` on the weights as stored (a switch for benchmarks/bench_decode_thresholds.py, which compares them)."""
+
+_packs: dict[Tensor, Tensor] | None = None
+"""The panel-packed weights of the decode in progress (:func:`packed_weights`), keyed by the weight tensor itself (a
+dict of tensors hashes by identity); None outside one."""
+
+
+@contextmanager
+def packed_weights(store: dict[Tensor, Tensor] | None) -> Iterator[None]:
+    """Run the block with ``store`` as the place where few-row linears and experts find (and leave) their weights'
+    panel-packed copies; None: no packing. The store lives with the decoding cache (``ModelCache.packed``): weights
+    cannot change during one generation but may between generations (so no key on the layer is safe)."""
+    global _packs
+    before, _packs = _packs, store if PANELS else None
+    try:
+        yield
+    finally:
+        _packs = before
+
+
+def packed(weight: Tensor) -> Tensor | None:
+    """weight [out, in] (or [E, out, in]) packed into output panels for :func:`panel_matmul`, packed on first use
+    within the decode in progress; None outside one."""
+    if _packs is None:
+        return None
+    p = _packs.get(weight)
+    if p is None:
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
+            p = _packs[weight] = torch.ops.glm_lightning.panel_pack(weight)
+    return p
+
+
+def panel_matmul(x: Tensor, panels: Tensor, out: int, counts: Tensor | None, bias: Tensor | None = None) -> Tensor:
+    """x [..., in] W^T + bias -> [..., out] (or per expert: x [E, cap, in] over ``counts`` [E] real rows) from W packed
+    by :func:`packed` (``out`` = W's rows): each panel streamed once, no horizontal sums; one dispatched op."""
+    return torch.ops.glm_lightning.panel_matmul(x, panels, out, counts, bias)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, fp32: bool = False) -> Tensor:
     """``F.linear(x, weight, bias)``; while autograd records, through :class:`_Linear` (fewer backward ops). Under
     bf16 (autocast or bf16 operands) its GEMMs run in bf16 (module docstring); with ``fp32`` in fp32 whatever the
@@ -65,6 +110,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, fp32: bool 
         return _Linear.apply(x, weight, bias)
     if x.dim() < 2 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
+    if _packs is not None and x.numel() <= thresholds.SMALL_ROWS * x.shape[-1] and backend.takes(
+            x, weight, *(() if bias is None else (bias,)), fp64=False):  # a decode: [..., in] -> [..., out], one op
+        return panel_matmul(x, packed(weight), weight.shape[0], None, bias)
     x2 = _rows(x)
     if x2.shape[0] <= thresholds.SMALL_ROWS and backend.takes(x2, weight, *(() if bias is None else (bias,)),
                                                                fp64=False):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glm_lightning.model.ops import backend, mixed_precision as mp, thresholds
+from glm_lightning.model.ops import matmul
 from glm_lightning.model.ops.matmul import linear, small_matmul
 from glm_lightning.model.ops.reference import moe_balance_loss, moe_route as route_reference
 
@@ -230,12 +231,18 @@ class _Routing(torch.autograd.Function):
 
 def _experts_small(x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, slot: Tensor, cap: int,
                    counts: Tensor) -> Tensor:
-    """The forward of :class:`_GroupedExperts` without autograd, its two bmm as ``small_matmul`` over each expert's
-    ``counts`` real rows (same row moves, same values within float rounding)."""
+    """The forward of :class:`_GroupedExperts` without autograd, its two bmm over each expert's ``counts`` real rows as
+    ``panel_matmul`` on the experts' panel-packed weights inside a cached decode (matmul.packed_weights), else
+    ``small_matmul`` (same row moves, same values within float rounding)."""
     E, K, d = w_gate_up.shape[0], w.shape[-1], x.shape[-1]
     xs = _rows_scatter(x, slot, K, None, E * cap).view(E, cap, d)
-    a = _swiglu_act(small_matmul(xs, w_gate_up, counts))
-    y_pad = small_matmul(a, w_down, counts).view(E * cap, d)
+    p_gate_up = matmul.packed(w_gate_up) if matmul._packs is not None else None
+    if p_gate_up is None:
+        a = _swiglu_act(small_matmul(xs, w_gate_up, counts))
+        y_pad = small_matmul(a, w_down, counts).view(E * cap, d)
+    else:
+        a = _swiglu_act(matmul.panel_matmul(xs, p_gate_up, w_gate_up.shape[1], counts))
+        y_pad = matmul.panel_matmul(a, matmul.packed(w_down), d, counts).view(E * cap, d)
     return _rows_gather_sum(y_pad, slot, K, _token_gates(w, x.dtype))
 
 

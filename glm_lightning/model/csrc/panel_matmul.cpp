@@ -1,0 +1,211 @@
+// x @ W^T for a few rows against weights packed once into output panels (decoding without autograd).
+//
+// Why: a decode step streams every weight once for a few rows. small_matmul (small_matmul.cpp) reads W as stored,
+// [out, in], so each output is a dot product along `in` (12-24 vectors at flash-25m) that ends in a horizontal sum;
+// on an Intel Xeon (AVX-512, 1 thread) it streamed the weights at 2.2-3.0 GB/s, a third of a plain read. Here each
+// weight matrix is packed once per generation into panels of kLanes outputs, [ceil(out / L), in, L] (zero padded):
+// panel p holds W[pL .. pL+L-1, k] at row k, so the kernel reads each panel as one contiguous stream, broadcasts
+// x[m, k] and multiplies it into a vector of L outputs. No horizontal sums, no shuffles; a tile of rows x panels stays
+// in registers over the whole `in` loop, and the next weights are prefetched.
+//
+//   panel_pack(W [out, in] or [E, out, in]) -> P [ceil(out / L), in, L] or [E, ceil(out / L), in, L]
+//   panel_matmul(x [..., in], P [panels, in, L], out, None, bias [out]) -> y [..., out]   (M rows: x's leading dims)
+//   panel_matmul(x [E, M, in], P [E, ...], out, counts [E] int64, bias [E, out]) -> y [E, M, out]
+//       y[e, m] = W[e] x[e, m] + bias[e] for m < counts[e]; 0 for the padding rows m >= counts[e]
+//
+// Each output sums its `in` products in order k = 0, 1, ... (one fused multiply-add per k), whatever the other rows
+// or outputs are, so a token's output never depends on its batch. The order differs from BLAS's and small_matmul's
+// in the last bits (tests: within 1e-5 of torch.mm).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "kernel_helpers.h"
+
+namespace {
+
+using PVec = glm_lightning_ops::Lanes<float>::Vec;
+constexpr int64_t kPanel = glm_lightning_ops::kLanes;  // outputs per panel: one vector
+
+// How far ahead (in rows k of a panel: 64 rows of 16 floats, 4 KB) the kernel prefetches each panel it streams, into
+// all cache levels. Measured on an Intel Xeon (AVX-512, 1 thread, weights cycled cold, a loaded machine): a
+// non-temporal hint (0) streamed at about half the rate of a plain read; no prefetch, or 16 rows ahead, lost to BLAS
+// at 16 rows; 64 ahead kept up with a plain read of the same bytes (benchmarks/bench_panel_matmul.py).
+constexpr int64_t kAhead = 64;
+
+// y[m0 .. m0+MB, panels p0 .. p0+V] for MB rows of x (row stride `in`) and V panels starting at P (panel stride
+// in * L); the MB x V accumulators stay in registers across k. Writes the first `cols` outputs of the last panel
+// (fewer than L at a matrix's ragged end), adding bias (nullable) at the panel's outputs.
+template <int MB, int V>
+inline void tile(const float* __restrict x, const float* __restrict P, float* __restrict y, int64_t in, int64_t out,
+                 int64_t last_cols, const float* bias, bool prefetch) {
+  PVec acc[MB][V];
+  for (int i = 0; i < MB; ++i)
+    for (int v = 0; v < V; ++v) acc[i][v] = PVec{};
+  const int64_t stride = in * kPanel;
+  for (int64_t k = 0; k < in; ++k) {
+    PVec w[V];
+    for (int v = 0; v < V; ++v) w[v] = glm_lightning_ops::Lanes<float>::load(P + v * stride + k * kPanel);
+    if (prefetch)
+      for (int v = 0; v < V; ++v) __builtin_prefetch(P + v * stride + (k + kAhead) * kPanel, 0, 3);
+    for (int i = 0; i < MB; ++i) {
+      const float xi = x[i * in + k];
+      for (int v = 0; v < V; ++v) acc[i][v] += xi * w[v];
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const int64_t cols = v == V - 1 ? last_cols : kPanel;
+    PVec b{};
+    if (bias != nullptr) {
+      if (cols == kPanel) {
+        b = glm_lightning_ops::Lanes<float>::load(bias + v * kPanel);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) b[c] = bias[v * kPanel + c];
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const PVec r = acc[i][v] + b;
+      float* yr = y + i * out + v * kPanel;
+      if (cols == kPanel) {
+        glm_lightning_ops::Lanes<float>::store(yr, r);
+      } else {
+        float tmp[kPanel];
+        glm_lightning_ops::Lanes<float>::store(tmp, r);
+        std::memcpy(yr, tmp, cols * sizeof(float));
+      }
+    }
+  }
+}
+
+// Rows per tile for `rows` rows, and panels per tile: as many accumulators as the registers hold (x86-64 AVX-512:
+// 32 vector registers; MB x V <= 16 leaves room for the V weight vectors), and several panels streaming at once
+// when there are few rows (one row and one panel would wait on one chain of multiply-adds).
+template <int MB, int V>
+inline void tiles(const float* x, const float* P, float* y, int64_t rows, int64_t p_begin, int64_t p_end, int64_t in,
+                  int64_t out, const float* bias) {
+  for (int64_t p = p_begin; p < p_end;) {
+    const int64_t v = std::min<int64_t>(V, p_end - p);
+    const int64_t last_cols = std::min<int64_t>(kPanel, out - (p + v - 1) * kPanel);
+    const float* Pp = P + p * in * kPanel;
+    float* yp = y + p * kPanel;
+    const float* bp = bias == nullptr ? nullptr : bias + p * kPanel;
+    // the first row block streams the panels from memory (prefetching); the others find them in cache
+    for (int64_t m = 0; m < rows; m += MB) {
+      const int64_t mb = std::min<int64_t>(MB, rows - m);
+      const bool first = m == 0;
+      const float* xm = x + m * in;
+      float* ym = yp + m * out;
+      if (v == V && mb == MB) {
+        tile<MB, V>(xm, Pp, ym, in, out, last_cols, bp, first);
+      } else {
+        for (int64_t j = 0; j < v; ++j) {  // a ragged edge: one panel and one row at a time
+          const int64_t cols = j == v - 1 ? last_cols : kPanel;
+          for (int64_t i = 0; i < mb; ++i)
+            tile<1, 1>(xm + i * in, Pp + j * in * kPanel, ym + i * out + j * kPanel, in, out, cols,
+                       bp == nullptr ? nullptr : bp + j * kPanel, first && i == 0);
+        }
+      }
+    }
+    p += v;
+  }
+}
+
+inline void matrix(const float* x, const float* P, float* y, int64_t rows, int64_t p_begin, int64_t p_end, int64_t in,
+                   int64_t out, const float* bias) {
+  if (rows >= 12) return tiles<16, 1>(x, P, y, rows, p_begin, p_end, in, out, bias);
+  if (rows >= 5) return tiles<8, 2>(x, P, y, rows, p_begin, p_end, in, out, bias);
+  if (rows >= 3) return tiles<4, 4>(x, P, y, rows, p_begin, p_end, in, out, bias);
+  if (rows == 2) return tiles<2, 4>(x, P, y, rows, p_begin, p_end, in, out, bias);
+  return tiles<1, 4>(x, P, y, rows, p_begin, p_end, in, out, bias);
+}
+
+at::Tensor panel_pack(const at::Tensor& W_in) {
+  TORCH_CHECK(W_in.dim() == 2 || W_in.dim() == 3, "expected W [out, in] or [E, out, in]");
+  TORCH_CHECK(W_in.scalar_type() == at::kFloat && W_in.device().is_cpu(), "fp32 CPU only");
+  const bool one = W_in.dim() == 2;
+  const at::Tensor W = one ? W_in.contiguous().unsqueeze(0) : W_in.contiguous();
+  const int64_t E = W.size(0), out = W.size(1), in = W.size(2), panels = (out + kPanel - 1) / kPanel;
+  at::Tensor P = at::zeros(one ? at::IntArrayRef{panels, in, kPanel} : at::IntArrayRef{E, panels, in, kPanel},
+                           W.options());
+  const float* wp = W.data_ptr<float>();
+  float* pp = P.data_ptr<float>();
+  at::parallel_for(0, E * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t e = t / panels, p = t % panels, cols = std::min(kPanel, out - p * kPanel);
+      float* dst = pp + t * in * kPanel;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float* src = wp + (e * out + p * kPanel + c) * in;
+        for (int64_t k = 0; k < in; ++k) dst[k * kPanel + c] = src[k];
+      }
+    }
+  });
+  return P;
+}
+
+// A view's own contiguity: `contiguous()` is free when it already is (no dispatch), and the sizes are read from the
+// tensor as given (no unsqueeze: each view is a dispatched op, and a decode step makes ~130 of these calls).
+at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& P_in, int64_t out,
+                        const std::optional<at::Tensor>& counts_in, const std::optional<at::Tensor>& bias_in) {
+  const bool one = P_in.dim() == 3;
+  TORCH_CHECK((one && x_in.dim() >= 1) || (x_in.dim() == 3 && P_in.dim() == 4 && x_in.size(0) == P_in.size(0)),
+              "expected x [..., in] and P [panels, in, L], or x [E, M, in] and P [E, panels, in, L]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && P_in.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(x_in.device().is_cpu() && P_in.device().is_cpu(), "CPU only");
+  const at::Tensor x = x_in.contiguous(), P = P_in.contiguous();
+  const int64_t in = x.size(-1), E = one ? 1 : x.size(0), M = one ? x.numel() / std::max<int64_t>(in, 1) : x.size(1),
+                panels = P.size(-3);
+  TORCH_CHECK(P.size(-2) == in && P.size(-1) == kPanel, "P must be panel_pack's [.., panels, in, ", kPanel,
+              "] for x's in = ", in);
+  TORCH_CHECK(out > (panels - 1) * kPanel && out <= panels * kPanel, "out ", out, " does not match ", panels,
+              " panels");
+  at::Tensor counts;
+  if (counts_in.has_value()) {
+    counts = counts_in->scalar_type() == at::kLong ? counts_in->contiguous() : counts_in->to(at::kLong).contiguous();
+    TORCH_CHECK(counts.numel() == E, "counts must hold one row count per matrix");
+  }
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == E * out, "bias must be fp32 [E, out] or [out]");
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  at::Tensor y = at::empty(shape, x.options());
+  const float *xp = x.data_ptr<float>(), *pp = P.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int64_t* cp = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  for (int64_t e = 0; cp != nullptr && e < E; ++e) {
+    TORCH_CHECK(cp[e] >= 0 && cp[e] <= M, "counts must lie in [0, M]");
+    std::fill(yp + (e * M + cp[e]) * out, yp + (e + 1) * M * out, 0.f);  // padding rows
+  }
+  constexpr int64_t CHUNK = 4;  // panels per task (64 outputs at 16 lanes; a [192, in] linear: 3 tasks)
+  const int64_t per_e = (panels + CHUNK - 1) / CHUNK;
+  at::parallel_for(0, E * per_e, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t e = task / per_e, p_begin = (task % per_e) * CHUNK, p_end = std::min(panels, p_begin + CHUNK);
+      const int64_t rows = cp == nullptr ? M : cp[e];
+      if (rows == 0) continue;
+      matrix(xp + e * M * in, pp + e * panels * in * kPanel, yp + e * M * out, rows, p_begin, p_end, in, out,
+             bp == nullptr ? nullptr : bp + e * out);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
+  m.def("panel_pack(Tensor W) -> Tensor");
+  m.def("panel_matmul(Tensor x, Tensor P, int out, Tensor? counts=None, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
+  m.impl("panel_pack", &panel_pack);
+  m.impl("panel_matmul", &panel_matmul);
+}

@@ -1,0 +1,130 @@
+"""glm_lightning::panel_pack / panel_matmul (csrc/panel_matmul.cpp): the decode's few-row matmuls on weights packed
+once per generation into output panels, against torch's products, the small_matmul form and the uncached model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm_lightning.generation import generate, generate_naive
+from glm_lightning.model import GLMConfig, GLMModel, cext
+from glm_lightning.model.ops import matmul, moe as moe_mod, thresholds
+
+pytestmark = pytest.mark.skipif(not cext.available(), reason="C++ ops not available")
+
+
+@pytest.mark.parametrize("shape", [(4, 5, 192, 768), (3, 16, 20, 7), (2, 21, 33, 40), (21, 20, 24, 17)])
+def test_panel_matmul_equals_bmm_on_the_real_rows(shape):
+    """x @ W^T (+ bias) per matrix on the first counts[e] rows, zeros on the padding rows: outputs on and off the
+    panel width (ragged last panels), every row count 0..20 (the last shape: each register tile and its ragged
+    edges); counts None takes every row; the one-matrix form [M, in] x P [panels, in, L] as well."""
+    E, M, n_in, n_out = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(E, M, n_in, generator=gen)
+    W = torch.randn(E, n_out, n_in, generator=gen) * n_in ** -0.5
+    bias = torch.randn(E, n_out, generator=gen)
+    counts = torch.arange(E) if E > M else torch.randint(0, M + 1, (E,), generator=gen)
+    counts[0], counts[-1] = M, 0
+    P = torch.ops.glm_lightning.panel_pack(W)
+    assert P.shape[:3] == (E, -(-n_out // P.shape[-1]), n_in)
+    ref = torch.bmm(x.double(), W.double().transpose(1, 2))
+    for b in (None, bias):
+        y = torch.ops.glm_lightning.panel_matmul(x, P, n_out, counts, b)
+        assert y.shape == (E, M, n_out)
+        for e, c in enumerate(counts.tolist()):
+            want = ref[e, :c] + (0 if b is None else b[e].double())
+            torch.testing.assert_close(y[e, :c].double(), want, rtol=1e-5, atol=1e-5)
+            assert torch.count_nonzero(y[e, c:]) == 0
+    torch.testing.assert_close(torch.ops.glm_lightning.panel_matmul(x, P, n_out).double(), ref, rtol=1e-5, atol=1e-5)
+    one = torch.ops.glm_lightning.panel_matmul(x[1], torch.ops.glm_lightning.panel_pack(W[1]), n_out, None, bias[1])
+    torch.testing.assert_close(one.double(), ref[1] + bias[1].double(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="counts"):
+        torch.ops.glm_lightning.panel_matmul(x, P, n_out, torch.full((E,), M + 1))
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.glm_lightning.panel_matmul(x, P, n_out, counts, bias[0])
+    with pytest.raises(RuntimeError, match="out"):
+        torch.ops.glm_lightning.panel_matmul(x, P, n_out + P.shape[-1])
+
+
+def test_a_rows_output_does_not_depend_on_its_batch():
+    """Every tile sums an output's products in the order k = 0, 1, ...: a row gives the same bits alone, in a batch of
+    any size (other register tiles and ragged edges) and at any place in it."""
+    gen = torch.Generator().manual_seed(1)
+    W = torch.randn(37, 50, generator=gen)
+    P = torch.ops.glm_lightning.panel_pack(W)
+    x = torch.randn(20, 50, generator=gen)
+    alone = torch.cat([torch.ops.glm_lightning.panel_matmul(x[i:i + 1], P, 37) for i in range(20)])
+    for rows in (2, 3, 4, 7, 8, 13, 16, 20):
+        for start in (0, 20 - rows):
+            y = torch.ops.glm_lightning.panel_matmul(x[start:start + rows], P, 37)
+            assert torch.equal(y, alone[start:start + rows])
+
+
+def test_linear_inside_a_decode_packs_each_weight_once(monkeypatch):
+    """Inside packed_weights, a few-row linear packs its weight into the store on first use and reuses it; the result
+    is the mm's within rounding; outside, and above SMALL_ROWS rows, nothing is packed."""
+    monkeypatch.setattr(thresholds, "SMALL_ROWS", 32)  # the AVX-512 table's value (0 on AVX2: BLAS always)
+    gen = torch.Generator().manual_seed(2)
+    W, b = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    x = torch.randn(3, 5, 24, generator=gen)
+    store: dict[torch.Tensor, torch.Tensor] = {}
+    packs = []
+    real = torch.ops.glm_lightning.panel_pack
+    monkeypatch.setattr(matmul, "packed", lambda w: packs.append(w) or _packed_with(store, real, w))
+    with torch.no_grad():
+        y_out = matmul.linear(x, W, b)
+        assert not packs
+        with matmul.packed_weights(store):
+            y1, y2 = matmul.linear(x, W, b), matmul.linear(x, W, b)
+            matmul.linear(torch.randn(33, 24), W)  # above SMALL_ROWS: BLAS, no pack
+    assert len(packs) == 2 and list(store) == [W]
+    assert torch.equal(y1, y2)
+    torch.testing.assert_close(y1, y_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y1, torch.nn.functional.linear(x, W, b), rtol=1e-5, atol=1e-5)
+
+
+def _packed_with(store, pack, w):
+    if w not in store:
+        store[w] = pack(w)
+    return store[w]
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 16])
+def test_decode_experts_from_panels_equal_small_matmul(tokens, monkeypatch):
+    """The MoE's few-token expert path inside a decode runs on the experts' packed weights (both matrices packed
+    once) and equals its small_matmul form outside one."""
+    from glm_lightning.model.moe import MoE
+
+    monkeypatch.setattr(thresholds, "SMALL_TOKENS", 64)
+    torch.manual_seed(3)
+    m = MoE(GLMConfig(d_model=32, n_heads=2, n_kv_heads=2, n_experts=4, moe_top_k=2, expert_hidden=24,
+                      shared_expert_hidden=8, init_std=0.3))
+    x = torch.randn(1, tokens, 32)
+    store: dict[torch.Tensor, torch.Tensor] = {}
+    calls = []
+    real = matmul.panel_matmul
+    monkeypatch.setattr(matmul, "panel_matmul", lambda *a: calls.append(a[1].shape) or real(*a))
+    with torch.no_grad():
+        y_small = m(x, want_aux=False)[0]
+        assert not calls
+        with matmul.packed_weights(store):
+            y_panel = m(x, want_aux=False)[0]
+    assert len(calls) >= 2 and m.w_gate_up in store and m.w_down in store
+    torch.testing.assert_close(y_panel, y_small, rtol=1e-5, atol=1e-6)
+
+
+def test_cached_generation_on_panels_equals_the_naive_loop(monkeypatch):
+    """Greedy cached generation (16 rows, its decode linears and experts on packed weights, the store filled once per
+    generate call) picks the tokens of the naive full re-forward."""
+    monkeypatch.setattr(thresholds, "SMALL_ROWS", 32)
+    monkeypatch.setattr(thresholds, "SMALL_TOKENS", 64)
+    torch.manual_seed(0)
+    model = GLMModel(GLMConfig.preset("tiny")).eval()
+    prompt = torch.randint(1, 256, (4, 6))
+    calls = []
+    real = matmul.panel_matmul
+    monkeypatch.setattr(matmul, "panel_matmul", lambda *a: calls.append(1) or real(*a))
+    cached = generate(model, prompt, max_new_tokens=8, temperature=0.0, eos_id=None).tokens
+    assert calls, "the decode steps ran on packed weights"
+    naive = generate_naive(model, prompt, max_new_tokens=8, eos_id=None)
+    assert torch.equal(cached, naive)
