@@ -268,7 +268,10 @@ def moe_route(s: Tensor, bias: Tensor, top_k: int, scale: float, batch: int,
     (pos, slot) (else None: :func:`moe_experts` builds them)."""
     N, E = s.shape
     if N > 0 and backend.takes(s):
-        w, aux, idx, counts, *rows = _Routing.apply(s, bias, top_k, scale, batch, balance_weight)
+        if backend.needs_grad(s, bias):
+            w, aux, idx, counts, *rows = _Routing.apply(s, bias, top_k, scale, batch, balance_weight)
+        else:  # decoding: the op itself, no autograd node
+            w, aux, idx, counts, *rows, _ = torch.ops.glm_lightning.moe_route(s, bias, top_k, scale, batch, balance_weight)
         return w, aux if balance_weight > 0 else None, idx, counts, tuple(rows)
     idx, w = route_reference(s, _f32(bias), top_k, scale)
     counts = torch.bincount(idx.reshape(-1), minlength=E)
@@ -302,4 +305,5 @@ def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Te
 
 def swiglu_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
     """The shared expert W_down (SiLU(W_gate x) * W_up x), its activation one C++ pass each way when built."""
-    return linear(_SwiGLU.apply(linear(x, w_gate_up)), w_down)
+    hgu = linear(x, w_gate_up)
+    return linear(_SwiGLU.apply(hgu) if backend.needs_grad(hgu) else _swiglu_act(hgu), w_down)
