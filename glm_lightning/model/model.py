@@ -84,10 +84,14 @@ class GLMModel(nn.Module):
         """Logits for `input_ids` [B, T] (or precomputed `input_embeds` [B, T, C], e.g. with image tokens spliced in).
 
         `valid` [B, T] marks real tokens (False = left padding); `cache` (from `new_cache`) makes the call
-        incremental: the tokens continue the sequences held in the cache, which is updated in place. Decoding (a cache,
-        no autograd) packs the weights of its few-row matmuls once into the cache (ops.matmul.packed_weights).
+        incremental: the tokens continue the sequences held in the cache, which is updated in place. Decode steps (one
+        token per row with a cache, no autograd) pack the weights of their few-row matmuls once into the cache
+        (ops.matmul.packed_weights); a prefill does not (a cache used for one call would pay the packing for nothing).
         """
-        with packed_weights(cache.packed if cache is not None and not torch.is_grad_enabled() else None):
+        src = input_ids if input_ids is not None else input_embeds  # checked in _forward (_embed_checked)
+        decoding = (cache is not None and not torch.is_grad_enabled() and isinstance(src, torch.Tensor)
+                    and src.dim() >= 2 and src.shape[1] == 1)
+        with packed_weights(cache.packed if decoding else None):
             return self._forward(input_ids, valid, cache, input_embeds)
 
     def _forward(self, input_ids: torch.Tensor | None, valid: torch.Tensor | None, cache: ModelCache | None,
