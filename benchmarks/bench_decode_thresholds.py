@@ -2,7 +2,9 @@
 after a 64-token prompt, with SMALL_ROWS / SMALL_TOKENS as this CPU's table sets them and as the other kind of CPU's
 (AVX-512: 32 / 64; AVX2: 0 / 0, BLAS always), alternated in one process; median tokens/s of the rounds. Below the
 thresholds the few-row matmuls run as ``panel_matmul`` on weights packed for the decode (matmul.PANELS), or, in the
-rows marked so, as ``small_matmul`` on the weights as stored.
+rows marked so, as ``small_matmul`` on the weights as stored. Beside the wall-clock rate, the rate in this process's
+CPU time (``time.process_time``; one thread): on a machine shared with processes of the same priority, wall time also
+counts the time the scheduler gave to others.
 
     python -m benchmarks.bench_decode_thresholds [--rounds 5] [--threads 1]
 """
@@ -42,6 +44,7 @@ def main() -> None:
                  generator=torch.Generator().manual_seed(0))
 
     times: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    cpu: dict[str, list[float]] = {name: [] for name in SETTINGS}
     try:
         for rows, tokens, matmul.PANELS in SETTINGS.values():  # warm-up
             thresholds.SMALL_ROWS, thresholds.SMALL_TOKENS = rows, tokens
@@ -49,17 +52,19 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (rows, tokens, matmul.PANELS) in SETTINGS.items():
                 thresholds.SMALL_ROWS, thresholds.SMALL_TOKENS = rows, tokens
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 run()
                 times[name].append(time.perf_counter() - t)
+                cpu[name].append(time.process_time() - c)
     finally:
         thresholds.SMALL_ROWS, thresholds.SMALL_TOKENS = shipped
         matmul.PANELS = panels
     print(f"cached generation, flash-25m, 16 x 48, {args.threads} thread(s), CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, shipped thresholds {shipped}, median of {args.rounds} rounds")
-    print(f"{'(SMALL_ROWS, SMALL_TOKENS)':30s} {'tokens/s':>9s}  rounds")
+    print(f"{'(SMALL_ROWS, SMALL_TOKENS)':30s} {'tokens/s':>9s} {'per CPU s':>9s}  rounds (wall; CPU)")
     for name, ts in times.items():
-        print(f"{name:30s} {16 * 48 / statistics.median(ts):9.0f}  {', '.join(f'{16 * 48 / t:.0f}' for t in ts)}")
+        print(f"{name:30s} {16 * 48 / statistics.median(ts):9.0f} {16 * 48 / statistics.median(cpu[name]):9.0f}  "
+              f"{', '.join(f'{16 * 48 / t:.0f}' for t in ts)}; {', '.join(f'{16 * 48 / t:.0f}' for t in cpu[name])}")
 
 
 if __name__ == "__main__":

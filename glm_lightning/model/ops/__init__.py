@@ -11,7 +11,8 @@ in bf16, native or emulated; every other op in fp32, cast at its boundary).
 |---|---|---|
 | RMSNorm | ``rms_norm`` | norm.py |
 | KDA's gated head norm | ``gated_head_norm`` | norm.py |
-| linear (x W^T + b) | ``linear`` | matmul.py |
+| linear (x W^T + b); a decode's few-row matmuls on weights packed once per generation | ``linear``,
+  ``packed_weights`` | matmul.py |
 | attention (SDPA), a batched product: bf16 GEMMs native or emulated | ``attention``, ``product`` | mixed_precision.py |
 | Sinkhorn-Knopp | ``sinkhorn`` | mhc.py |
 | mHC stream read / write, site read | ``stream_read``, ``stream_write``, ``site_read`` | mhc.py |
