@@ -8,7 +8,7 @@ import torch
 
 from glm_lightning.generation import generate, generate_naive
 from glm_lightning.model import GLMConfig, GLMModel, cext
-from glm_lightning.model.ops import matmul, moe as moe_mod, thresholds
+from glm_lightning.model.ops import matmul, thresholds
 
 pytestmark = pytest.mark.skipif(not cext.available(), reason="C++ ops not available")
 

@@ -271,7 +271,8 @@ def moe_route(s: Tensor, bias: Tensor, top_k: int, scale: float, batch: int,
         if backend.needs_grad(s, bias):
             w, aux, idx, counts, *rows = _Routing.apply(s, bias, top_k, scale, batch, balance_weight)
         else:  # decoding: the op itself, no autograd node
-            w, aux, idx, counts, *rows, _ = torch.ops.glm_lightning.moe_route(s, bias, top_k, scale, batch, balance_weight)
+            w, aux, idx, counts, *rows, _ = torch.ops.glm_lightning.moe_route(s, bias, top_k, scale, batch,
+                                                                              balance_weight)
         return w, aux if balance_weight > 0 else None, idx, counts, tuple(rows)
     idx, w = route_reference(s, _f32(bias), top_k, scale)
     counts = torch.bincount(idx.reshape(-1), minlength=E)
