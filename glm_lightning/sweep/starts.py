@@ -10,6 +10,8 @@ Every `*.ckpt` under a run's `checkpoints/` is evaluated (greedy completions of 
 `<out>/<label>.ckpt`, and `<out>/starts.json` records for each label the source, every candidate's pass, the chosen
 pass and the sha256 of the copy, which the RL reports cite (the pre-RL pass of each start). The selection uses the
 dev split; the RL screen evaluates on the confirm split, so the start is not chosen on the tasks that judge it.
+Each checkpoint is evaluated once: passes are cached by the file's sha256 in `<out>/candidates_cache.json`, so
+`--only-evaluate` can start while pre-training still writes checkpoints, and adding a seed evaluates only its own.
 """
 
 from __future__ import annotations
@@ -69,17 +71,51 @@ def pick(passes: dict[Path, float], target: float) -> Path:
     return min(passes, key=lambda p: abs(passes[p] - target))
 
 
+class PassCache:
+    """Greedy passes already measured, by the checkpoint file's sha256 and the evaluation's settings, in a JSON file:
+    a second invocation (another seed added, or one started while pre-training was still writing checkpoints)
+    evaluates only the checkpoints it has not seen. A digest, not a path: a rewritten file is evaluated again."""
+
+    def __init__(self, path: Path | None, settings: str) -> None:
+        self.path, self.settings = path, settings
+        self.data: dict[str, float] = {}
+        if path is not None and path.is_file():
+            try:
+                self.data = {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
+            except (OSError, ValueError, AttributeError):
+                self.data = {}
+
+    def key(self, ckpt: Path) -> str:
+        return f"{file_digest(ckpt)}|{self.settings}"
+
+    def get(self, ckpt: Path) -> float | None:
+        return self.data.get(self.key(ckpt))
+
+    def put(self, ckpt: Path, value: float) -> None:
+        self.data[self.key(ckpt)] = value
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True) + "\n")
+            tmp.replace(self.path)
+
+
 def choose_starts(runs: dict[str, Path], out: Path, target: float, evaluate: Callable[[Path], float],
-                  log: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
-    """Evaluate every candidate of every run, copy the chosen ones to `out/<label>.ckpt`, write `out/starts.json`."""
+                  log: Callable[[str], None] = print, cache: PassCache | None = None) -> dict[str, dict[str, Any]]:
+    """Evaluate every candidate of every run (or take its pass from `cache`), copy the chosen ones to
+    `out/<label>.ckpt`, write `out/starts.json`."""
     out.mkdir(parents=True, exist_ok=True)
     record: dict[str, dict[str, Any]] = {}
     for label, run_dir in runs.items():
         passes = {}
         for ckpt in candidates(run_dir):
             t0 = time.perf_counter()
-            passes[ckpt] = evaluate(ckpt)
-            log(f"[starts] {label}: {ckpt} greedy pass {100 * passes[ckpt]:.1f}% ({time.perf_counter() - t0:.0f} s)")
+            cached = cache.get(ckpt) if cache is not None else None
+            passes[ckpt] = evaluate(ckpt) if cached is None else cached
+            if cache is not None and cached is None:
+                cache.put(ckpt, passes[ckpt])
+            how = "cached" if cached is not None else f"{time.perf_counter() - t0:.0f} s"
+            log(f"[starts] {label}: {ckpt} greedy pass {100 * passes[ckpt]:.1f}% ({how})")
         chosen = pick(passes, target)
         dest = out / f"{label}.ckpt"
         shutil.copyfile(chosen, dest)
@@ -98,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
     p.add_argument("--per-family", type=int, default=32)
     p.add_argument("--split", default="dev")
     p.add_argument("--out", default="runs/starts")
+    p.add_argument("--cache", default=None, help="JSON file of passes already measured, by checkpoint digest "
+                   "(default: <out>/candidates_cache.json; 'none' to evaluate everything again)")
+    p.add_argument("--only-evaluate", action="store_true", help="fill the cache with the checkpoints that exist now "
+                   "and pick nothing (e.g. while pre-training is still running)")
     args = p.parse_args(argv)
     try:
         runs = {}
@@ -114,7 +154,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
             counts = greedy_pass_by_family(load_model(str(ckpt)), args.families, args.per_family, args.split)
             return sum(k for k, _ in counts.values()) / max(1, sum(n for _, n in counts.values()))
 
-        return choose_starts(runs, Path(args.out), args.target, evaluate)
+        settings = f"{','.join(args.families)}|{args.per_family}|{args.split}"
+        cache_path = None if args.cache == "none" else Path(args.cache or Path(args.out) / "candidates_cache.json")
+        cache = PassCache(cache_path, settings)
+        if args.only_evaluate:
+            for label, run_dir in runs.items():
+                for ckpt in candidates(run_dir):
+                    if time.time() - ckpt.stat().st_mtime < 30:  # maybe still being written
+                        continue
+                    if cache.get(ckpt) is None:
+                        cache.put(ckpt, evaluate(ckpt))
+                        print(f"[starts] {label}: {ckpt} greedy pass {100 * cache.get(ckpt):.1f}% (cached for later)")
+            return {}
+        return choose_starts(runs, Path(args.out), args.target, evaluate, cache=cache)
     except StudyError as err:
         print(f"starts: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
