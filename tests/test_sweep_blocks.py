@@ -147,7 +147,8 @@ def test_start_candidates_come_in_step_order_so_ties_go_to_the_earlier_step(tmp_
     passes = {p: {4: 0.0, 8: 0.0625, 12: 0.125, 100: 0.375}[int(p.stem[4:])] for p in found}
     assert pick(passes, 0.25).name == "step12.ckpt"  # 0.125 and 0.375 tie at exactly 0.125: the earlier step
     assert [p.name for p in candidates(tmp_path / "run", (8, 12))] == ["step8.ckpt", "step12.ckpt"]
-    assert candidates(tmp_path / "run", (13, 99)) == []
+    with pytest.raises(StudyError, match="has a step in 13:99"):
+        candidates(tmp_path / "run", (13, 99))
 
 
 def test_the_shipped_screen_study_is_the_tutorials_regime():

@@ -69,8 +69,10 @@ def candidates(run_dir: Path, steps: tuple[int, int] | None = None) -> list[Path
     order: `pick` breaks ties by this order, so a tie goes to the earlier step. `steps` (first, last) keeps only
     those whose name's step lies in that range (the report then says which were candidates)."""
     found = sorted((p for p in (run_dir / "checkpoints").rglob("*.ckpt") if p.name != "last.ckpt"), key=_natural_key)
-    if steps is not None:
+    if steps is not None and found:
         found = [p for p in found if (k := step_of(p)) is not None and steps[0] <= k <= steps[1]]
+        if not found:
+            raise StudyError(f"no checkpoint under {run_dir / 'checkpoints'} has a step in {steps[0]}:{steps[1]}")
     if not found:
         raise StudyError(f"no checkpoint under {run_dir / 'checkpoints'}: run the pre-training first")
     return found
