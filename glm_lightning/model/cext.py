@@ -12,6 +12,9 @@ register through TORCH_LIBRARY (schema `glm_lightning::...`).
                                       an AVX2 machine, half that with AVX-512; once per source/torch
                                       version/CPU) and use it
     GLM_LIGHTNING_EXT=0               never build or load it: the PyTorch forms only
+    GLM_LIGHTNING_EXT_MARCH=haswell   build for another x86 target than this CPU's (-march=native): the kernels'
+                                      vector width follows it (kernel_helpers.h), so that this machine can run and
+                                      test the AVX2 (haswell) or SSE (x86-64-v2) code (tests/test_cext_widths.py)
     make ext                          build now and print the library path and the build time
 
 The library is cached under $GLM_LIGHTNING_CACHE (default ~/.cache/glm_lightning)/ext, keyed by a hash of the sources,
@@ -63,14 +66,20 @@ def enabled() -> bool:
     return os.environ.get("GLM_LIGHTNING_EXT", "auto").strip().lower() not in ("0", "off", "false", "no")
 
 
-def _compile_flags(march: str = "native") -> list[str]:
-    """g++ flags for one translation unit: torch's headers (what torch.utils.cpp_extension would pass, without
-    importing it: its import probes for CUDA and warns), OpenMP for at::parallel_for. ``march`` is the target (the
-    build uses this CPU's; tests/test_cext_build.py cross-compiles for aarch64 with ``armv8-a``).
+def target_march() -> str:
+    """The target the library is built for: this CPU's (``native``) unless GLM_LIGHTNING_EXT_MARCH names another."""
+    return os.environ.get("GLM_LIGHTNING_EXT_MARCH", "").strip() or "native"
 
-    The kernels are portable C++: their explicit vectors are GCC vector extensions of 16 lanes (kernel_helpers.h),
-    which the compiler lowers to the target's registers (one AVX-512 register, two AVX2 ones, four NEON ones on
-    aarch64), and the only ISA-specific code (flushing denormals through MXCSR) is guarded for x86."""
+
+def _compile_flags(march: str | None = None) -> list[str]:
+    """g++ flags for one translation unit: torch's headers (what torch.utils.cpp_extension would pass, without
+    importing it: its import probes for CUDA and warns), OpenMP for at::parallel_for. ``march`` is the target (default
+    :func:`target_march`; tests/test_cext_build.py cross-compiles for aarch64 with ``armv8-a``).
+
+    The kernels are portable C++: their explicit vectors are GCC vector extensions as wide as one register of the
+    target (kernel_helpers.h: 16 fp32 lanes with AVX-512, 8 with AVX2, 4 with SSE or NEON), and the only ISA-specific
+    code (flushing denormals through MXCSR) is guarded for x86."""
+    march = target_march() if march is None else march
     torch_dir = Path(torch.__file__).parent
     return ["-O3", f"-march={march}", "-std=c++20", "-fPIC", "-fopenmp",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{torch_dir / 'include'}"]

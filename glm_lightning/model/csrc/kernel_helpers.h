@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>
@@ -37,53 +38,81 @@ void with_sizes(int64_t K, int64_t V, F&& fn) {
   return fn.template operator()<0, 0>();
 }
 
-// Explicit SIMD vectors of kLanes elements (GCC vector extensions: one fp32 AVX-512 register, two of AVX2) for the
-// loops the compiler will not vectorise on its own: dot products (a scalar `s += a * b` reduction stays scalar without
-// -ffast-math) and register tiles over a few tokens (left alone it vectorised over the tokens, with gathers).
+// Explicit SIMD vectors of kLanes elements (GCC vector extensions) for the loops the compiler will not vectorise on its
+// own: dot products (a scalar `s += a * b` reduction stays scalar without -ffast-math) and register tiles over a few
+// tokens (left alone it vectorised over the tokens, with gathers). The width follows the compiler's target, so that a
+// Vec is one register: 16 fp32 lanes with AVX-512, 8 with AVX / AVX2, 4 with SSE or NEON (a 16-lane vector on AVX2 is
+// two registers, and a kernel's 16-accumulator register tile then needs 32 of its 16). The kernels take their block
+// sizes from kLanes; their sums run in a fixed order for a given width, so results are reproducible per CPU kind.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+
+namespace lanes_detail {
+// Lane indices of one step of the pairwise reduction below: from two vectors x and y (y's lanes numbered N..2N-1),
+// whose lanes form groups of 2g partial sums each, the lower (hi = 0) or upper (hi = 1) g lanes of every group, x's
+// groups first. Summing the two picks halves every group: g partial sums per group, twice the groups.
+constexpr int pick(int i, int N, int g, int hi) {
+  const int groups = N / (2 * g);  // groups per input vector
+  const int from_y = i / (groups * g), j = (i % (groups * g)) / g, lane = i % g;
+  return from_y * N + j * 2 * g + hi * g + lane;
+}
+}  // namespace lanes_detail
 
 template <typename T>
 struct Lanes {
-  typedef T Vec __attribute__((vector_size(kLanes * sizeof(T))));
-  typedef T Half __attribute__((vector_size(kLanes / 2 * sizeof(T))));
-  typedef T Quarter __attribute__((vector_size(kLanes / 4 * sizeof(T))));
+  static constexpr int N = kLanes;
+  typedef T Vec __attribute__((vector_size(N * sizeof(T))));
   static Vec load(const T* p) {
     Vec v;
     std::memcpy(&v, p, sizeof(Vec));
     return v;
   }
   static void store(T* p, const Vec& v) { std::memcpy(p, &v, sizeof(Vec)); }
-  // The lanes summed as a tree of halves (4 shuffle + add steps instead of 15 dependent scalar adds).
-  static T sum(const Vec& v) {
-    const Half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const Quarter b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
+  // The lanes summed as a tree of halves (log2 N shuffle + add steps instead of N - 1 dependent scalar adds): lanes
+  // N/2 apart first, then N/4, ..., then 1.
+  static T sum(const Vec& v) { return fold<N / 2>(v, std::make_integer_sequence<int, N>{})[0]; }
+  // The sums of N vectors a[0..N-1] as one vector (lane i = sum(a[i]), bit for bit: lanes added in sum's order), N - 1
+  // adds and 2 (N - 1) shuffles instead of N trees. (The name is from the 16-lane AVX-512 form: N vectors in general.)
+  static Vec sums16(const Vec* a) { return reduce<N>(a); }
+
+ private:
+  // Lane i (< 2g) plus lane i + g, for g = N/2, ..., 1: lane 0 ends as the sum.
+  template <int g, int... I>
+  static Vec fold(const Vec& v, std::integer_sequence<int, I...> lanes) {
+    const Vec s = v + __builtin_shufflevector(v, v, ((I + g) % N)...);
+    if constexpr (g == 1)
+      return s;
+    else
+      return fold<g / 2>(s, lanes);
   }
-  // The sums of 16 vectors a[0..15] as one vector (lane i = sum(a[i])), adding lanes in sum's order (halves 8, 4, 2,
-  // 1 apart), so each is sum(a[i]) bit for bit: 15 adds and 30 shuffles instead of 16 trees of 4 + 4.
-  static Vec sums16(const Vec* a) {
-    Vec l1[8], l2[4], l3[2];
-    for (int p = 0; p < 8; ++p) {
-      const Vec x = a[2 * p], y = a[2 * p + 1];
-      l1[p] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-              __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  template <int g>
+  static Vec half_step(const Vec& x, const Vec& y) {
+    return half_pick<g, 0>(x, y, std::make_integer_sequence<int, N>{}) +
+           half_pick<g, 1>(x, y, std::make_integer_sequence<int, N>{});
+  }
+  template <int g, int hi, int... I>
+  static Vec half_pick(const Vec& x, const Vec& y, std::integer_sequence<int, I...>) {
+    return __builtin_shufflevector(x, y, lanes_detail::pick(I, N, g, hi)...);
+  }
+  // `count` vectors, each of N / count groups of `count` partial sums (one group per input vector) -> count / 2 vectors
+  // of groups half as wide.
+  template <int count>
+  static Vec reduce(const Vec* a) {
+    if constexpr (count == 1) {
+      return a[0];
+    } else {
+      Vec next[count / 2];
+      for (int p = 0; p < count / 2; ++p) next[p] = half_step<count / 2>(a[2 * p], a[2 * p + 1]);
+      return reduce<count / 2>(next);
     }
-    for (int p = 0; p < 4; ++p) {
-      const Vec x = l1[2 * p], y = l1[2 * p + 1];
-      l2[p] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-              __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    }
-    for (int p = 0; p < 2; ++p) {
-      const Vec x = l2[2 * p], y = l2[2 * p + 1];
-      l3[p] = __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-              __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    }
-    return __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   }
 };
-static_assert(kLanes == 16, "Lanes<T>::sum is written for 16 lanes");
+
 
 // exp for the kernels' elementwise loops (KDA's decay factors, SiLU). fp32: a branch-free form the compiler
 // vectorises (2^n exp(r), |r| <= ln2 / 2, Cody-Waite split of ln2, degree-6 Taylor polynomial: within 3 ulp of expf

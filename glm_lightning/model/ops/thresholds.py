@@ -61,6 +61,12 @@ with the C++ decode ops (one flash-25m DSA layer, 16 rows, 1 thread, `python -m 
 gather/mask 1.16x at 100 keys, 1.22x at 160, 0.90x at 256, 1.06x at 384, 0.96x at 512 (a loaded machine; see
 docs/performance.md, "The ops layer")."""
 
+DEFAULTS: dict[str, float] = {"SMALL_ROWS": SMALL_ROWS, "SMALL_TOKENS": SMALL_TOKENS, "SEGMENT_TOKENS": SEGMENT_TOKENS,
+                               "SEGMENT_PADDING": SEGMENT_PADDING,
+                               "DECODE_GATHER_MIN_KEYS_PER_TOP_K": DECODE_GATHER_MIN_KEYS_PER_TOP_K}
+"""The shipped values above: the op table's defaults (choice.py). Where this CPU's table was measured
+(``python -m glm_lightning.model.ops.tune``), choice.apply sets the names above to its values."""
+
 # --- kernel limits: what the C++ ops are compiled for ---------------------------------------------------------------
 CPP_MAX_STREAMS = 8
 """Sinkhorn and the stream read/write ops (kMaxStreams, csrc/kernel_helpers.h: Sinkhorn is compiled per stream

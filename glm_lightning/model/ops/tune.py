@@ -1,0 +1,366 @@
+"""Measure this CPU's op table (choice.py) and cache it: which form of each op runs, and the shape thresholds.
+
+    python -m glm_lightning.model.ops.tune [--threads N] [--rounds 5] [--preset flash-25m] [--dry-run]
+
+What is timed are the ops' real calls: one training step (forward + backward, 2 x 128 tokens) and one cached decode
+step (16 rows) of the preset are run once with every op's arguments recorded; then each op's recorded calls are
+replayed with its C++ form and with its PyTorch form, in alternated rounds (choice.time_pair), and the thresholds'
+forms are timed at a few sizes on the preset's own weights (SMALL_ROWS: every decode linear at 1-64 rows; SMALL_TOKENS:
+every MoE layer's experts at 1-96 tokens; DECODE_GATHER_MIN_KEYS_PER_TOP_K: one DSA layer's decode attention at 1-8 x
+top_k keys). A choice departs from the shipped default only by choice.decide's margin rule. One progress line per op;
+~1 min on one loaded core. `make venv` runs it (a failure there does not fail the install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from glm_lightning.model.ops import backend, choice, dsa, kda_decode, kda_inputs, kda_recurrent, matmul, mhc, moe, norm
+from glm_lightning.model.ops import thresholds
+
+RECORDED: dict[str, tuple[tuple[Any, str], ...]] = {
+    "rms_norm": ((norm, "rms_norm"),), "gated_head_norm": ((norm, "gated_head_norm"),),
+    "sinkhorn": ((mhc, "sinkhorn"),), "stream_read": ((mhc, "stream_read"),), "stream_write": ((mhc, "stream_write"),),
+    "site_read": ((mhc, "site_read"),), "swiglu": ((moe, "_swiglu_act"), (moe, "_swiglu_act_backward")),
+    "rows_scatter": ((moe, "_rows_scatter"),), "rows_gather_sum": ((moe, "_rows_gather_sum"),),
+    "rows_dot": ((moe, "_rows_dot"),), "moe_route": ((moe, "moe_route"),), "index_scores": ((dsa, "index_scores"),),
+    "topk_mask": ((dsa, "decode_key_mask"),), "single_query_attention": ((dsa, "single_query_attention"),),
+    "kda_delta_step": ((kda_decode, "delta_step_"),), "kda_conv_step": ((kda_decode, "conv_step_"),),
+    "kda_decode_step": ((kda_decode, "kda_decode_step"),), "kda_features": ((kda_inputs, "kda_features"),),
+    "short_conv": ((kda_inputs, "short_conv"),), "kda_recurrent": ((kda_recurrent, "kda_core"),),
+    # the thresholds' calls: their weights and shapes
+    "linear": ((matmul, "linear"),), "moe_experts": ((moe, "moe_experts"),),
+    "decode_attention": ((dsa, "decode_attention"),),
+}
+"""For each op of choice.CPP_OPS (and the thresholds' ops), the functions holding its decision point, whose calls are
+recorded and replayed."""
+
+ROW_SIZES = (1, 4, 16, 32, 64)
+TOKEN_SIZES = (1, 4, 16, 64, 96)
+KEYS_PER_TOP_K = (1, 2, 4, 8)
+
+
+@dataclass
+class Call:
+    """One recorded call: the function, its arguments (tensors copied when recorded) and whether autograd recorded
+    it (then a replay runs its backward too)."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    grad: bool
+
+
+def _copy(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        c = x.detach().clone()
+        return c.requires_grad_() if x.requires_grad and c.is_floating_point() else c
+    if isinstance(x, (tuple, list)):
+        return type(x)(_copy(v) for v in x)
+    return x
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
+
+
+@contextmanager
+def recording(calls: dict[str, list[Call]], keep: str) -> Iterator[None]:
+    """Record the calls of RECORDED's functions while the block runs, wherever a glm_lightning module holds them
+    (the ops package re-exports them, the layers import some): per op and function the first call (``keep`` 'first',
+    a training step) or the last (``keep`` 'last': a generation's last decode step, not its prefill)."""
+    patched: list[tuple[object, str, object]] = []
+    for op, where in RECORDED.items():
+        for module, name in where:
+            fn = getattr(module, name)
+
+            def wrapper(*args: Any, __fn: Callable = fn, __op: str = op, **kwargs: Any) -> Any:
+                grad = torch.is_grad_enabled() and any(t.requires_grad for t in _tensors((args, kwargs)))
+                mine = [c for c in calls.setdefault(__op, []) if c.fn is __fn]
+                if keep == "last" or not mine:
+                    for c in mine:
+                        calls[__op].remove(c)
+                    calls[__op].append(Call(__fn, _copy(args), _copy(kwargs), grad))
+                return __fn(*args, **kwargs)
+
+            for mod in [m for n, m in sys.modules.items() if n.startswith("glm_lightning") and m is not None]:
+                for attr, value in list(vars(mod).items()):
+                    if value is fn:
+                        patched.append((mod, attr, value))
+                        setattr(mod, attr, wrapper)
+    try:
+        yield
+    finally:
+        for mod, attr, value in reversed(patched):
+            setattr(mod, attr, value)
+
+
+def record(preset: str = "flash-25m") -> dict[str, list[Call]]:
+    """The ops' calls in one training step (2 x 128 tokens, forward and backward) and in the last step of a cached
+    16-row generation (64-token prompt, 4 new tokens) of a fresh model of the preset."""
+    from glm_lightning.generation import generate
+    from glm_lightning.model import GLMConfig, GLMModel
+
+    torch.manual_seed(0)
+    model = GLMModel(GLMConfig.preset(preset))
+    ids = torch.randint(0, 256, (2, 129))
+    calls: dict[str, list[Call]] = {}
+    with recording(calls, "first"):
+        out = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), ids[:, 1:].flatten()) + out.aux_loss
+        loss.backward()
+    model.eval()
+    decode: dict[str, list[Call]] = {}
+    with recording(decode, "last"):
+        generate(model, torch.randint(0, 256, (1, 64)), max_new_tokens=4, num_samples=16, temperature=1.0,
+                 eos_id=None, generator=torch.Generator().manual_seed(0))
+    for op, cs in decode.items():
+        calls.setdefault(op, []).extend(cs)
+    return calls
+
+
+def replay(calls: list[Call]) -> Callable[[], None]:
+    """A function that runs the recorded calls again (each with its own copy of the arguments; in-place ops update
+    that copy), a training call with its backward (gradients of ones)."""
+    mine = [Call(c.fn, _copy(c.args), _copy(c.kwargs), c.grad) for c in calls]
+
+    def run() -> None:
+        for c in mine:
+            if not c.grad:
+                with torch.no_grad():
+                    c.fn(*c.args, **c.kwargs)
+                continue
+            with torch.enable_grad():
+                out = [t for t in _tensors(c.fn(*c.args, **c.kwargs)) if t.requires_grad]
+                leaves = [t for t in _tensors((c.args, c.kwargs)) if t.requires_grad]
+                torch.autograd.grad(out, leaves, [torch.ones_like(t) for t in out], allow_unused=True)
+
+    return run
+
+
+@contextmanager
+def _threshold(name: str, value: float) -> Iterator[None]:
+    before = getattr(thresholds, name)
+    setattr(thresholds, name, value)
+    try:
+        yield
+    finally:
+        setattr(thresholds, name, before)
+
+
+def _forced(fn: Callable[[], None], name: str, value: float) -> Callable[[], None]:
+    def run() -> None:
+        with _threshold(name, value):
+            fn()
+    return run
+
+
+def _cpp_only(fn: Callable[[], None], op: str, on: bool) -> Callable[[], None]:
+    def run() -> None:
+        with backend.cpp_ops_off(() if on else (op,)):
+            fn()
+    return run
+
+
+@dataclass
+class Row:
+    """One measured choice: the op (or threshold at a size), both forms' seconds per round, the default and the
+    chosen form."""
+
+    name: str
+    forms: tuple[str, str]  # (default form, other form)
+    default_s: list[float]
+    other_s: list[float]
+    flipped: bool
+
+    @property
+    def chosen(self) -> str:
+        return self.forms[1] if self.flipped else self.forms[0]
+
+    @property
+    def speedup(self) -> float:
+        """How much faster the chosen form ran than the other (median over the rounds; < 1: slower, within the
+        margin)."""
+        return choice.speedup(self.other_s, self.default_s) if self.flipped else choice.speedup(self.default_s,
+                                                                                                  self.other_s)
+
+    @property
+    def chosen_at_least_as_fast(self) -> bool:
+        """Whether the chosen form was at least as fast as the other within noise (the margin) in most rounds."""
+        chosen, other = (self.other_s, self.default_s) if self.flipped else (self.default_s, self.other_s)
+        return not choice.decide(chosen, other)
+
+
+def _linear_probe(calls: list[Call], rows: int) -> Callable[[], None]:
+    """Every distinct decode linear weight (the step streams them all: cold weights), at ``rows`` rows."""
+    seen, items = set(), []
+    for c in calls:
+        weight = c.args[1]
+        bias = c.args[2] if len(c.args) > 2 else c.kwargs.get("bias")
+        if weight.dim() == 2 and weight.dtype is torch.float32 and weight.data_ptr() not in seen:
+            seen.add(weight.data_ptr())
+            items.append((torch.randn(rows, weight.shape[1]), weight.detach(), None if bias is None else bias.detach()))
+
+    def run() -> None:
+        with torch.no_grad():
+            for x, w, b in items:
+                matmul.linear(x, w, b)
+
+    return run
+
+
+def _experts_probe(weights: list[tuple[torch.Tensor, torch.Tensor, int]], tokens: int) -> Callable[[], None]:
+    """Each MoE layer's experts for ``tokens`` tokens routed at random (top-k distinct experts each)."""
+    g = torch.Generator().manual_seed(tokens)
+    items = []
+    for wgu, wd, k in weights:
+        E, d = wgu.shape[0], wgu.shape[-1]
+        idx = torch.rand(tokens, E, generator=g).topk(k, dim=-1).indices
+        items.append((torch.randn(tokens, d, generator=g), idx, torch.rand(tokens, k, generator=g).softmax(-1), wgu,
+                      wd, torch.bincount(idx.reshape(-1), minlength=E)))
+
+    def run() -> None:
+        with torch.no_grad():
+            for x, idx, w, wgu, wd, counts in items:
+                moe.moe_experts(x, idx, w, wgu, wd, counts)
+
+    return run
+
+
+def _attention_probe(call: Call, keys: int) -> Callable[[], None]:
+    """The recorded DSA decode attention (its q, cache buffers' shape and top_k) over ``keys`` cached keys."""
+    q, k_buf, _, _, _, _, top_k = call.args
+    B, Hkv, _, D = k_buf.shape
+    g = torch.Generator().manual_seed(keys)
+    k_buf, v_buf = torch.randn(B, Hkv, keys, D, generator=g), torch.randn(B, Hkv, keys, D, generator=g)
+    s = torch.randn(B, 1, keys, generator=g)
+    allowed = torch.ones(B, 1, keys, dtype=torch.bool)
+
+    def run() -> None:
+        with torch.no_grad():
+            dsa.decode_attention(q, k_buf, v_buf, keys, s, allowed, top_k)
+
+    return run
+
+
+def measure(calls: dict[str, list[Call]], rounds: int = choice.ROUNDS, say: Callable[[str], None] = print,
+            only: set[str] | None = None) -> tuple[choice.Table, list[Row]]:
+    """Time every op's two forms and each threshold's forms on the recorded calls; the table they give (margin rule
+    against the shipped defaults) and the rows measured."""
+    ref = choice.defaults()
+    cpp, limits, speedups, rows = dict(ref.cpp), dict(ref.thresholds), {}, []
+
+    def compare(name: str, forms: tuple[str, str], default: Callable[[], None], other: Callable[[], None]) -> Row:
+        d, o = choice.time_pair(default, other, rounds)
+        row = Row(name, forms, d, o, choice.decide(d, o))
+        rows.append(row)
+        say(f"[ops] {name:40s} {forms[0]} {1e3 * statistics.median(d):8.3f} ms, {forms[1]} "
+            f"{1e3 * statistics.median(o):8.3f} ms -> {row.chosen} ({row.speedup:.2f}x)")
+        return row
+
+    if backend.cpp_loaded():
+        for op in choice.CPP_OPS:
+            if only is not None and op not in only:
+                continue
+            if not calls.get(op):
+                say(f"[ops] {op:32s} not called by the preset: C++ as shipped")
+                continue
+            run = replay(calls[op])
+            row = compare(op, ("C++", "PyTorch"), _cpp_only(run, op, True), _cpp_only(run, op, False))
+            cpp[op], speedups[op] = not row.flipped, row.speedup
+        if calls.get("linear") and (only is None or "SMALL_ROWS" in only):
+            small = {}
+            for r in ROW_SIZES:
+                probe = _linear_probe(calls["linear"], r)
+                cpp_first = r <= ref.thresholds["SMALL_ROWS"]
+                forms = ("small_matmul", "BLAS") if cpp_first else ("BLAS", "small_matmul")
+                a, b = _forced(probe, "SMALL_ROWS", 10**9), _forced(probe, "SMALL_ROWS", 0)
+                row = compare(f"SMALL_ROWS at {r} rows", forms, *((a, b) if cpp_first else (b, a)))
+                small[r] = row.chosen == "small_matmul"
+            limits["SMALL_ROWS"] = choice.threshold_from(ROW_SIZES, small, int(ref.thresholds["SMALL_ROWS"]), True)
+            speedups["SMALL_ROWS"] = 1.0
+        layers = _distinct_experts([c for c in calls.get("moe_experts", []) if not c.grad])
+        if layers and (only is None or "SMALL_TOKENS" in only):
+            small = {}
+            for n in TOKEN_SIZES:
+                probe = _experts_probe(layers, n)
+                cpp_first = n <= ref.thresholds["SMALL_TOKENS"]
+                forms = ("small_matmul", "BLAS") if cpp_first else ("BLAS", "small_matmul")
+                a, b = _forced(probe, "SMALL_TOKENS", 10**9), _forced(probe, "SMALL_TOKENS", 0)
+                row = compare(f"SMALL_TOKENS at {n} tokens", forms, *((a, b) if cpp_first else (b, a)))
+                small[n] = row.chosen == "small_matmul"
+            limits["SMALL_TOKENS"] = choice.threshold_from(TOKEN_SIZES, small, int(ref.thresholds["SMALL_TOKENS"]),
+                                                           True)
+            speedups["SMALL_TOKENS"] = 1.0
+    attention = [c for c in calls.get("decode_attention", []) if not c.grad]
+    if attention and (only is None or "DECODE_GATHER_MIN_KEYS_PER_TOP_K" in only):
+        call, name = attention[-1], "DECODE_GATHER_MIN_KEYS_PER_TOP_K"
+        top_k, sizes, mask_form = call.args[6], KEYS_PER_TOP_K, {}
+        for m in sizes:
+            probe = _attention_probe(call, m * top_k)
+            mask_first = m < ref.thresholds[name]
+            forms = ("mask", "gather") if mask_first else ("gather", "mask")
+            a, b = _forced(probe, name, 10**9), _forced(probe, name, 0)
+            row = compare(f"{name} at {m} x top_k", forms, *((a, b) if mask_first else (b, a)))
+            mask_form[m] = row.chosen == "mask"
+        limits[name] = choice.threshold_from(sizes, mask_form, int(ref.thresholds[name]), False)
+        speedups[name] = 1.0
+    return choice.Table(cpp=cpp, thresholds=limits, source="measured", speedups=speedups), rows
+
+
+def _distinct_experts(calls: list[Call]) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(w_gate_up, w_down, top_k) of each MoE layer seen in the recorded calls."""
+    seen, out = set(), []
+    for c in calls:
+        wgu, wd, k = c.args[3].detach(), c.args[4].detach(), c.args[1].shape[-1]
+        if wgu.data_ptr() not in seen and wgu.dtype is torch.float32:
+            seen.add(wgu.data_ptr())
+            out.append((wgu, wd, k))
+    return out
+
+
+def tune(threads: int, rounds: int = choice.ROUNDS, preset: str = "flash-25m", save: bool = True,
+         say: Callable[[str], None] = print) -> tuple[choice.Table, list[Row]]:
+    """Measure and (``save``) cache the table for ``threads`` threads; then put it in force."""
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    calls = record(preset)
+    say(f"[ops] recorded the {preset} preset's op calls ({sum(len(c) for c in calls.values())} calls, "
+        f"{time.perf_counter() - start:.1f} s); timing both forms, {rounds} alternated rounds each")
+    with backend.cpp_ops_off(()):  # measure from a clean state, whatever table is in force
+        table, rows = measure(calls, rounds, say)
+    if save:
+        path = choice.save(table, threads, {r.name: {"forms": r.forms, "default_s": r.default_s,
+                                                     "other_s": r.other_s, "chosen": r.chosen} for r in rows})
+        say(f"[ops] wrote {path} ({time.perf_counter() - start:.0f} s)")
+    choice.forget()
+    choice.apply(threads)
+    return table, rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Measure which form of each op runs on this CPU (the op table).")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the count in force)")
+    p.add_argument("--rounds", type=int, default=choice.ROUNDS)
+    p.add_argument("--preset", default="flash-25m")
+    p.add_argument("--dry-run", action="store_true", help="measure and print, do not write the table")
+    args = p.parse_args(argv)
+    tune(args.threads or torch.get_num_threads(), args.rounds, args.preset, save=not args.dry_run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
