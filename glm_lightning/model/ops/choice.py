@@ -73,8 +73,8 @@ class Table:
     def changes(self) -> dict[str, object]:
         """The entries that differ from the shipped defaults."""
         ref = defaults()
-        out: dict[str, object] = {op: "PyTorch" for op, on in sorted(self.cpp.items()) if not on and ref.cpp.get(op, True)}
-        out.update({op: "C++" for op, on in sorted(self.cpp.items()) if on and not ref.cpp.get(op, True)})
+        out: dict[str, object] = {op: "C++" if on else "PyTorch" for op, on in sorted(self.cpp.items())
+                                  if on != ref.cpp.get(op, True)}
         out.update({n: v for n, v in sorted(self.thresholds.items()) if ref.thresholds.get(n) != v})
         return out
 
@@ -106,7 +106,7 @@ def speedup(chosen_s: Sequence[float], other_s: Sequence[float]) -> float:
 
 
 def time_pair(first: Callable[[], object], second: Callable[[], object], rounds: int = ROUNDS,
-              min_block_s: float = 0.005, blocks: int = 3, timer: Callable[[], float] = time.perf_counter
+              min_block_s: float = 0.005, blocks: int = 5, timer: Callable[[], float] = time.perf_counter
               ) -> tuple[list[float], list[float]]:
     """Seconds per call of two forms in ``rounds`` rounds. A round runs ``blocks`` blocks of each form in turns (first,
     second, first, ...; the round after starts with the other form) and keeps each form's fastest block: a block that

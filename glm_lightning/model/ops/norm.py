@@ -36,7 +36,8 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     xc = x if x.dtype == dt else x.to(dt)
     w = weight if weight is None or weight.dtype == dt else weight.to(dt)
     xc = xc if xc.is_contiguous() else xc.contiguous()
-    y = _RMSNormCpp.apply(xc, w, eps) if w is not None and backend.takes(xc, w, op="rms_norm") else reference.rms_norm(xc, w, eps)
+    cpp = w is not None and backend.takes(xc, w, op="rms_norm")
+    y = _RMSNormCpp.apply(xc, w, eps) if cpp else reference.rms_norm(xc, w, eps)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

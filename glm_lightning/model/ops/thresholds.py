@@ -16,8 +16,9 @@ not enough (issue 49): on an Intel Xeon with AVX-512 and AMX (family 6 model 207
 thread, load 3-5) BLAS won with these AVX-512 defaults: cached generation 251 tok/s with both 0 against 233 as shipped
 (``bench_decode_thresholds``, 5 alternated rounds, BLAS faster in each), and one [192 x 384] weight of 300 cycled
 through took ``small_matmul`` 113 / 102 / 139 us at 1 / 4 / 16 rows against 71 / 79 / 128 us for ``mm(x, W.t())``.
-They are left as they are until the choice is measured on the CPU at hand (issue 49's op-choice table), not keyed by
-the capability alone.
+The values here are the shipped defaults (DEFAULTS below); the op-choice table (choice.py), measured on the CPU at hand
+by ``python -m glm_lightning.model.ops.tune``, replaces SMALL_ROWS, SMALL_TOKENS and DECODE_GATHER_MIN_KEYS_PER_TOP_K
+there (it measures both forms at a few sizes and moves a threshold only where the other form won by its margin).
 """
 
 from __future__ import annotations

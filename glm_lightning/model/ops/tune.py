@@ -1,13 +1,14 @@
 """Measure this CPU's op table (choice.py) and cache it: which form of each op runs, and the shape thresholds.
 
-    python -m glm_lightning.model.ops.tune [--threads N] [--rounds 5] [--preset flash-25m] [--dry-run]
+    python -m glm_lightning.model.ops.tune [--threads 1,all] [--rounds 5] [--preset flash-25m] [--dry-run]
 
 What is timed are the ops' real calls: one training step (forward + backward, 2 x 128 tokens) and one cached decode
 step (16 rows) of the preset are run once with every op's arguments recorded; then each op's recorded calls are
 replayed with its C++ form and with its PyTorch form, in alternated rounds (choice.time_pair), and the thresholds'
 forms are timed at a few sizes on the preset's own weights (SMALL_ROWS: every decode linear at 1-64 rows; SMALL_TOKENS:
 every MoE layer's experts at 1-96 tokens; DECODE_GATHER_MIN_KEYS_PER_TOP_K: one DSA layer's decode attention at 1-8 x
-top_k keys). A choice departs from the shipped default only by choice.decide's margin rule. One progress line per op;
+top_k keys; SEGMENT_TOKENS: one MoE layer's experts in training at 1,024-4,096 tokens, the busiest expert ~1.4x the
+mean load). A choice departs from the shipped default only by choice.decide's margin rule. One progress line per op;
 ~1 min on one loaded core. `make venv` runs it (a failure there does not fail the install).
 """
 
@@ -47,6 +48,7 @@ recorded and replayed."""
 ROW_SIZES = (1, 4, 16, 32, 64)
 TOKEN_SIZES = (1, 4, 16, 64, 96)
 KEYS_PER_TOP_K = (1, 2, 4, 8)
+SEGMENT_SIZES = (1024, 2048, 4096)
 
 
 @dataclass
@@ -177,10 +179,12 @@ def _cpp_only(fn: Callable[[], None], op: str, on: bool) -> Callable[[], None]:
 
 @dataclass
 class Row:
-    """One measured choice: the op (or threshold at a size), both forms' seconds per round, the default and the
-    chosen form."""
+    """One measured choice: the op (or a threshold at one size), both forms' seconds per round, the default form and
+    whether the other replaced it (the margin rule)."""
 
     name: str
+    key: str  # the op (choice.CPP_OPS) or threshold (choice.TUNED_THRESHOLDS)
+    size: int | None  # the threshold's size measured (rows, tokens, keys per top_k); None for an op
     forms: tuple[str, str]  # (default form, other form)
     default_s: list[float]
     other_s: list[float]
@@ -197,11 +201,25 @@ class Row:
         return choice.speedup(self.other_s, self.default_s) if self.flipped else choice.speedup(self.default_s,
                                                                                                   self.other_s)
 
-    @property
-    def chosen_at_least_as_fast(self) -> bool:
-        """Whether the chosen form was at least as fast as the other within noise (the margin) in most rounds."""
-        chosen, other = (self.other_s, self.default_s) if self.flipped else (self.default_s, self.other_s)
-        return not choice.decide(chosen, other)
+    def form_in(self, table: choice.Table) -> str:
+        """The form that ``table`` runs for this row's op or size."""
+        if self.size is None:
+            return "C++" if table.cpp[self.key] else "PyTorch"
+        limit = table.thresholds[self.key]
+        if self.key == "DECODE_GATHER_MIN_KEYS_PER_TOP_K":
+            return "mask" if self.size < limit else "gather"
+        if self.key == "SEGMENT_TOKENS":
+            return "padded" if self.size < limit else "segments"
+        return "small_matmul" if self.size <= limit else "BLAS"
+
+    def seconds(self, form: str) -> list[float]:
+        return self.default_s if form == self.forms[0] else self.other_s
+
+    def as_fast(self, form: str) -> bool:
+        """Whether ``form`` ran at least as fast as the other within noise: the other did not win by the margin in
+        most rounds."""
+        other = self.forms[1] if form == self.forms[0] else self.forms[0]
+        return not choice.decide(self.seconds(form), self.seconds(other))
 
 
 def _linear_probe(calls: list[Call], rows: int) -> Callable[[], None]:
@@ -240,6 +258,27 @@ def _experts_probe(weights: list[tuple[torch.Tensor, torch.Tensor, int]], tokens
     return run
 
 
+def _segments_probe(call: Call, tokens: int) -> Callable[[], None]:
+    """One MoE layer's experts in training (forward and backward) for ``tokens`` tokens whose routing loads the
+    busiest expert ~SEGMENT_PADDING times the mean (where the two forms compete)."""
+    wgu, wd, k = call.args[3].detach(), call.args[4].detach(), call.args[1].shape[-1]
+    E, d = wgu.shape[0], wgu.shape[-1]
+    g = torch.Generator().manual_seed(tokens)
+    p = torch.ones(E)
+    p[0] = thresholds.DEFAULTS["SEGMENT_PADDING"] * 1.1  # expert 0 busier than the rest
+    idx = torch.multinomial(p.expand(tokens, E), k, replacement=False, generator=g)
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    x = torch.randn(tokens, d, generator=g).requires_grad_()
+    w = torch.rand(tokens, k, generator=g).softmax(-1).requires_grad_()
+    wgu, wd = wgu.clone().requires_grad_(), wd.clone().requires_grad_()
+
+    def run() -> None:
+        y = moe.moe_experts(x, idx, w, wgu, wd, counts)
+        torch.autograd.grad(y, (x, w, wgu, wd), torch.ones_like(y))
+
+    return run
+
+
 def _attention_probe(call: Call, keys: int) -> Callable[[], None]:
     """The recorded DSA decode attention (its q, cache buffers' shape and top_k) over ``keys`` cached keys."""
     q, k_buf, _, _, _, _, top_k = call.args
@@ -263,9 +302,10 @@ def measure(calls: dict[str, list[Call]], rounds: int = choice.ROUNDS, say: Call
     ref = choice.defaults()
     cpp, limits, speedups, rows = dict(ref.cpp), dict(ref.thresholds), {}, []
 
-    def compare(name: str, forms: tuple[str, str], default: Callable[[], None], other: Callable[[], None]) -> Row:
+    def compare(name: str, key: str, size: int | None, forms: tuple[str, str], default: Callable[[], None],
+                other: Callable[[], None]) -> Row:
         d, o = choice.time_pair(default, other, rounds)
-        row = Row(name, forms, d, o, choice.decide(d, o))
+        row = Row(name, key, size, forms, d, o, choice.decide(d, o))
         rows.append(row)
         say(f"[ops] {name:40s} {forms[0]} {1e3 * statistics.median(d):8.3f} ms, {forms[1]} "
             f"{1e3 * statistics.median(o):8.3f} ms -> {row.chosen} ({row.speedup:.2f}x)")
@@ -279,7 +319,7 @@ def measure(calls: dict[str, list[Call]], rounds: int = choice.ROUNDS, say: Call
                 say(f"[ops] {op:32s} not called by the preset: C++ as shipped")
                 continue
             run = replay(calls[op])
-            row = compare(op, ("C++", "PyTorch"), _cpp_only(run, op, True), _cpp_only(run, op, False))
+            row = compare(op, op, None, ("C++", "PyTorch"), _cpp_only(run, op, True), _cpp_only(run, op, False))
             cpp[op], speedups[op] = not row.flipped, row.speedup
         if calls.get("linear") and (only is None or "SMALL_ROWS" in only):
             small = {}
@@ -288,7 +328,7 @@ def measure(calls: dict[str, list[Call]], rounds: int = choice.ROUNDS, say: Call
                 cpp_first = r <= ref.thresholds["SMALL_ROWS"]
                 forms = ("small_matmul", "BLAS") if cpp_first else ("BLAS", "small_matmul")
                 a, b = _forced(probe, "SMALL_ROWS", 10**9), _forced(probe, "SMALL_ROWS", 0)
-                row = compare(f"SMALL_ROWS at {r} rows", forms, *((a, b) if cpp_first else (b, a)))
+                row = compare(f"SMALL_ROWS at {r} rows", "SMALL_ROWS", r, forms, *((a, b) if cpp_first else (b, a)))
                 small[r] = row.chosen == "small_matmul"
             limits["SMALL_ROWS"] = choice.threshold_from(ROW_SIZES, small, int(ref.thresholds["SMALL_ROWS"]), True)
             speedups["SMALL_ROWS"] = 1.0
@@ -300,7 +340,8 @@ def measure(calls: dict[str, list[Call]], rounds: int = choice.ROUNDS, say: Call
                 cpp_first = n <= ref.thresholds["SMALL_TOKENS"]
                 forms = ("small_matmul", "BLAS") if cpp_first else ("BLAS", "small_matmul")
                 a, b = _forced(probe, "SMALL_TOKENS", 10**9), _forced(probe, "SMALL_TOKENS", 0)
-                row = compare(f"SMALL_TOKENS at {n} tokens", forms, *((a, b) if cpp_first else (b, a)))
+                row = compare(f"SMALL_TOKENS at {n} tokens", "SMALL_TOKENS", n, forms,
+                              *((a, b) if cpp_first else (b, a)))
                 small[n] = row.chosen == "small_matmul"
             limits["SMALL_TOKENS"] = choice.threshold_from(TOKEN_SIZES, small, int(ref.thresholds["SMALL_TOKENS"]),
                                                            True)
@@ -314,9 +355,22 @@ def measure(calls: dict[str, list[Call]], rounds: int = choice.ROUNDS, say: Call
             mask_first = m < ref.thresholds[name]
             forms = ("mask", "gather") if mask_first else ("gather", "mask")
             a, b = _forced(probe, name, 10**9), _forced(probe, name, 0)
-            row = compare(f"{name} at {m} x top_k", forms, *((a, b) if mask_first else (b, a)))
+            row = compare(f"{name} at {m} x top_k", name, m, forms, *((a, b) if mask_first else (b, a)))
             mask_form[m] = row.chosen == "mask"
         limits[name] = choice.threshold_from(sizes, mask_form, int(ref.thresholds[name]), False)
+        speedups[name] = 1.0
+    training = [c for c in calls.get("moe_experts", []) if c.grad]
+    if training and (only is None or "SEGMENT_TOKENS" in only):
+        name, padded = "SEGMENT_TOKENS", {}
+        for n in SEGMENT_SIZES:
+            probe = _segments_probe(training[0], n)
+            padded_first = n < ref.thresholds[name]
+            forms = ("padded", "segments") if padded_first else ("segments", "padded")
+            with _threshold("SEGMENT_PADDING", 0.0):  # the size alone decides here
+                a, b = _forced(probe, name, 10**9), _forced(probe, name, 0)
+                row = compare(f"{name} at {n} tokens", name, n, forms, *((a, b) if padded_first else (b, a)))
+            padded[n] = row.chosen == "padded"
+        limits[name] = choice.threshold_from(SEGMENT_SIZES, padded, int(ref.thresholds[name]), False)
         speedups[name] = 1.0
     return choice.Table(cpp=cpp, thresholds=limits, source="measured", speedups=speedups), rows
 
@@ -351,14 +405,23 @@ def tune(threads: int, rounds: int = choice.ROUNDS, preset: str = "flash-25m", s
     return table, rows
 
 
+def thread_counts(spec: str) -> list[int]:
+    """'1,all' -> [1, cores]: the counts to measure (a run's default is every available core; tests run one)."""
+    from glm_lightning.threads import available_cores
+
+    counts = [available_cores() if part.strip() == "all" else int(part) for part in spec.split(",") if part.strip()]
+    return sorted(set(counts))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Measure which form of each op runs on this CPU (the op table).")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the count in force)")
+    p.add_argument("--threads", default="1,all", help="thread counts to measure, e.g. '1', '1,2', '1,all' (default)")
     p.add_argument("--rounds", type=int, default=choice.ROUNDS)
     p.add_argument("--preset", default="flash-25m")
     p.add_argument("--dry-run", action="store_true", help="measure and print, do not write the table")
     args = p.parse_args(argv)
-    tune(args.threads or torch.get_num_threads(), args.rounds, args.preset, save=not args.dry_run)
+    for n in thread_counts(args.threads):
+        tune(n, args.rounds, args.preset, save=not args.dry_run)
     return 0
 
 
