@@ -2,7 +2,7 @@
 numbers saved to benchmarks/results/latest.json.
 
     python -m benchmarks [--quick] [--threads auto|1|2]
-                         [--only ops,op_choice,cext,kda,train,bf16,generation,vs_commit,verifier,rl,cli]
+                         [--only ops,cext,op_choice,kda,train,bf16,generation,vs_commit,verifier,rl,cli]
 
 The saved file keeps one row per benchmark: a run replaces the rows of the benchmarks it measured (each stamped with
 its time, `measured_utc`) and keeps every other row, so `--only kda` or a failed benchmark never loses the rest.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from glm_lightning.threads import choose_threads
 
-BENCHES = ("ops", "op_choice", "cext", "kda", "train", "bf16", "generation", "vs_commit", "verifier", "rl", "cli")
+BENCHES = ("ops", "cext", "op_choice", "kda", "train", "bf16", "generation", "vs_commit", "verifier", "rl", "cli")
 RESULTS = Path(__file__).parent / "results" / "latest.json"
 
 CHILD = """

@@ -62,7 +62,11 @@ def machine_info() -> dict[str, object]:
 
 
 def describe(info: dict[str, object] | None = None) -> str:
-    """One line for logs: 'AMD EPYC 9R14 [AVX512], 1 thread, torch 2.14.1'."""
+    """One line for logs: 'AMD EPYC 9R14 [AVX512], 1 thread, torch 2.14.1, op table 3f0c9a1b2d4e (measured)'."""
     info = machine_info() if info is None else info
     n = info["threads"]
-    return f"{info['cpu']} [{info['cpu_capability']}], {n} thread{'s' if n != 1 else ''}, torch {info['torch']}"
+    line = f"{info['cpu']} [{info['cpu_capability']}], {n} thread{'s' if n != 1 else ''}, torch {info['torch']}"
+    table = info.get("op_table")
+    if isinstance(table, dict):
+        line += f", op table {table.get('digest')} ({table.get('source')})"
+    return line

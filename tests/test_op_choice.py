@@ -181,6 +181,7 @@ def test_a_run_records_the_table_it_ran_with(clean):
     info = machine.machine_info()
     assert info["op_table"] == {"digest": choice.active().digest(), "source": "measured",
                                 "changes": {"swiglu": "PyTorch"}}
+    assert machine.describe(info).endswith(f", op table {choice.active().digest()} (measured)")
     choice.forget()
     choice.apply(2)  # nothing measured at 2 threads
     assert machine.machine_info()["op_table"]["source"] == "defaults"
