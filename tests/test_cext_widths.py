@@ -5,9 +5,10 @@ narrower x86 targets' code:
 - the lane helpers (sum, sums16) at every width, bit for bit against a scalar tree in the same order: a tiny program
   including lanes.h, compiled and run per target (~1 s each; for aarch64, compiled only where a cross compiler is);
 - every op of the library built for AVX2 (-march=haswell) and for SSE only (-march=x86-64-v2) against its PyTorch form
-  (tests/test_ops.py and tests/test_linear.py, run in a process that loads that library). Such a build takes minutes of
-  g++ (native here: 202 s of wall time on the loaded 2-core machine), too slow for the suite: the test runs where the
-  library is already built (``GLM_LIGHTNING_EXT_MARCH=haswell make ext``) and skips, saying how, where not.
+  (the op test files of OP_TESTS, run in a process that loads that library). Such a build takes minutes of g++
+  (haswell here: 249 s of wall time, 145 s of g++ CPU, on the loaded 2-core machine), too slow for the suite: the
+  test runs where the library is already built (``GLM_LIGHTNING_EXT_MARCH=haswell make ext``) and skips, saying how,
+  where not.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"native": None, "haswell": {"avx2", "fma"}, "x86-64-v2": {"sse4_2", "popcnt"}}
 """-march targets this machine can run: None (its own) or the CPU flags the target needs."""
 WIDTH = {"haswell": 8, "x86-64-v2": 4}
+OP_TESTS = ("tests/test_ops.py", "tests/test_linear.py", "tests/test_dsa.py", "tests/test_mhc_cpp.py", "tests/test_moe.py",
+            "tests/test_norm.py", "tests/test_kda.py")
+"""The ops against their PyTorch and reference forms (~30 s with the library built)."""
 
 CHECK = r"""
 #include <cstdio>
@@ -140,6 +144,6 @@ def test_every_op_built_for_a_narrower_target_matches_its_pytorch_form(march: st
             f"assert cext.target_march() == {march!r} and cext.available(), 'the {march} library did not load'\n"
             "sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', *sys.argv[1:]]))\n")
     env = {**os.environ, "GLM_LIGHTNING_EXT_MARCH": march, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", code, "tests/test_ops.py", "tests/test_linear.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    res = subprocess.run([sys.executable, "-c", code, *OP_TESTS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
     assert " passed" in res.stdout and " failed" not in res.stdout
