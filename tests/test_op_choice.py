@@ -195,3 +195,18 @@ def test_every_op_in_the_table_is_asked_for_by_name_in_the_ops():
     src = "".join(p.read_text() for p in (Path(choice.__file__).parent).glob("*.py") if p.name != "choice.py")
     for op in choice.CPP_OPS:
         assert f'"{op}"' in src, op
+
+
+def test_one_thread_is_timed_in_cpu_time_more_in_wall_time():
+    """Other processes on a shared machine do not inflate this thread's CPU time; with more threads the others' work
+    is not this thread's, so the wall time."""
+    import time
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert choice.clock() is time.thread_time
+        torch.set_num_threads(2)
+        assert choice.clock() is time.perf_counter
+    finally:
+        torch.set_num_threads(before)

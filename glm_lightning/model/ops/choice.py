@@ -105,13 +105,21 @@ def speedup(chosen_s: Sequence[float], other_s: Sequence[float]) -> float:
     return statistics.median(o / max(c, 1e-12) for c, o in zip(chosen_s, other_s, strict=True))
 
 
+def clock() -> Callable[[], float]:
+    """The clock that times the forms: at one thread this thread's CPU time, which other processes on a shared machine
+    do not inflate (a tune on the 2-core machine loaded 7-9 got ~16% of a core, and its wall times flipped choices
+    from round to round); with more threads the wall time (the other threads' work is not this thread's)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 def time_pair(first: Callable[[], object], second: Callable[[], object], rounds: int = ROUNDS,
-              min_block_s: float = 0.005, blocks: int = 5, timer: Callable[[], float] = time.perf_counter
+              min_block_s: float = 0.005, blocks: int = 5, timer: Callable[[], float] | None = None
               ) -> tuple[list[float], list[float]]:
     """Seconds per call of two forms in ``rounds`` rounds. A round runs ``blocks`` blocks of each form in turns (first,
     second, first, ...; the round after starts with the other form) and keeps each form's fastest block: a block that
     another process preempted does not count. A block is at least ``min_block_s`` of calls (how many is fixed by a
-    warm-up call of each form, after one untimed call of each)."""
+    warm-up call of each form, after one untimed call of each). ``timer``: :func:`clock` unless given."""
+    timer = clock() if timer is None else timer
     warm = []
     for fn in (first, second, first, second):
         t = timer()
