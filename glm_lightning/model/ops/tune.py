@@ -217,7 +217,7 @@ class Row:
 
     def as_fast(self, form: str) -> bool:
         """Whether ``form`` ran at least as fast as the other within noise: the other did not win by the margin in
-        most rounds."""
+        two thirds of the rounds (choice.decide)."""
         other = self.forms[1] if form == self.forms[0] else self.forms[0]
         return not choice.decide(self.seconds(form), self.seconds(other))
 
