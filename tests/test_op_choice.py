@@ -112,7 +112,7 @@ def test_the_cache_key_changes_with_threads_torch_library_and_cpu(clean, monkeyp
     monkeypatch.delenv(choice.ENV, raising=False)
     monkeypatch.setattr(choice, "library_tag", lambda: "0123456789abcdef")
     assert choice.cache_path(1) != base
-    monkeypatch.setattr(machine, "cpu_model", lambda: "Some Other CPU 7")
+    monkeypatch.setattr(cext, "_cpu_model", lambda: "model name\t: Some Other CPU 7")
     assert "Some-Other-CPU-7" in choice.cache_path(1).name
 
 

@@ -171,12 +171,17 @@ def library_tag() -> str:
     return cext.library_path().stem.rsplit("_", 1)[-1] if cext.enabled() else "noext"
 
 
+def cpu_name() -> str:
+    """The CPU's model name, as the C++ library's cache key reads it (glm_lightning.machine records runs with the same
+    name; it imports this module, so not the other way round)."""
+    return cext._cpu_model().split(":", 1)[-1].strip() or "unknown"
+
+
 def cache_path(threads: int) -> Path:
     """Where this CPU's table at ``threads`` threads lives, for this torch and these C++ sources."""
-    from glm_lightning import machine
-
-    cpu = re.sub(r"[^A-Za-z0-9.]+", "-", machine.cpu_model()).strip("-")[:60]
-    name = f"{cpu}-{machine.cpu_capability()}-torch{torch.__version__.replace('+', '-')}-{library_tag()}-{threads}t"
+    cpu = re.sub(r"[^A-Za-z0-9.]+", "-", cpu_name()).strip("-")[:60]
+    capability = torch.backends.cpu.get_cpu_capability()
+    name = f"{cpu}-{capability}-torch{torch.__version__.replace('+', '-')}-{library_tag()}-{threads}t"
     root = Path(os.environ.get("GLM_LIGHTNING_CACHE", Path.home() / ".cache" / "glm_lightning"))
     return root / "ops" / f"{name}.json"
 
@@ -297,9 +302,7 @@ def forget() -> None:
 
 def log_line(table: Table, threads: int) -> str:
     """One line naming the table: what was measured and what differs from the shipped defaults."""
-    from glm_lightning import machine
-
-    where = f"{machine.cpu_model()}, {threads} thread{'s' if threads != 1 else ''}"
+    where = f"{cpu_name()}, {threads} thread{'s' if threads != 1 else ''}"
     if table.source != "measured":
         return (f"[ops] shipped op table {table.digest()} (not measured on {where}: "
                 "python -m glm_lightning.model.ops.tune)")
