@@ -53,9 +53,10 @@ time when it is idle), but a unit took over 15 min of wall time there while four
 the two cores (600 s killed it)."""
 COMPILE_S = {"sinkhorn.cpp": 107.0, "kda_recurrent.cpp": 87.0}
 """Seconds of g++ per source beyond torch's headers (~13 s), measured one file at a time on an AVX2 machine (the
-kernels' 16-lane vectors are one AVX-512 register but two AVX2 ones, so AVX2 machines compile them 2-3x longer: 47 and
-42 s on an AVX-512 one); the other sources take 1-2 s (`DEFAULT_COMPILE_S`). Used only to balance the parallel
-build's translation units."""
+kernels' vectors were then 16 lanes, two AVX2 registers, so AVX2 machines compiled them 2-3x longer: 47 and 42 s on an
+AVX-512 one; with the target's width, lanes.h, a whole AVX2 build took 145 s of g++ CPU against 202 s with 16 lanes on
+the Intel Xeon); the other sources take 1-2 s (`DEFAULT_COMPILE_S`). Used only to balance the parallel build's
+translation units."""
 DEFAULT_COMPILE_S = 2.0
 MAX_JOBS = 4
 """At most this many g++ processes at once (each holds ~1-1.5 GB)."""
@@ -77,7 +78,7 @@ def _compile_flags(march: str | None = None) -> list[str]:
     :func:`target_march`; tests/test_cext_build.py cross-compiles for aarch64 with ``armv8-a``).
 
     The kernels are portable C++: their explicit vectors are GCC vector extensions as wide as one register of the
-    target (kernel_helpers.h: 16 fp32 lanes with AVX-512, 8 with AVX2, 4 with SSE or NEON), and the only ISA-specific
+    target (lanes.h: 16 fp32 lanes with AVX-512, 8 with AVX2, 4 with SSE or NEON), and the only ISA-specific
     code (flushing denormals through MXCSR) is guarded for x86."""
     march = target_march() if march is None else march
     torch_dir = Path(torch.__file__).parent
