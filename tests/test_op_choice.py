@@ -212,3 +212,34 @@ def test_one_thread_is_timed_in_cpu_time_more_in_wall_time():
         assert choice.clock() is time.perf_counter
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_tune_replays_every_recorded_op_in_both_forms_and_applies_the_rule(monkeypatch):
+    """tune.measure on the tiny preset's recorded calls with a fake timing where the default form is always 1.5x
+    slower: each form of each row runs (the replays work in both forms), and every entry flips to the other form (a
+    threshold to the edge the flipped sizes give); ops the preset never calls keep their defaults."""
+    from glm_lightning.model.ops import tune
+
+    calls = tune.record("tiny")
+    ran = []
+
+    def fake_pair(first, second, rounds=choice.ROUNDS, **_):
+        first()
+        second()
+        ran.append(rounds)
+        return [1.5] * rounds, [1.0] * rounds
+
+    monkeypatch.setattr(choice, "time_pair", fake_pair)
+    table, rows = tune.measure(calls, rounds=3, say=lambda line: None)
+    ops_rows = [r for r in rows if r.size is None]
+    assert ran == [3] * len(rows) and all(r.flipped for r in rows)
+    if not cext.available():
+        assert not ops_rows and table.cpp == choice.defaults().cpp
+    else:
+        assert {r.key for r in ops_rows} == {op for op in choice.CPP_OPS if calls.get(op)}
+        assert {op for op, on in table.cpp.items() if not on} == {r.key for r in ops_rows}
+        assert table.thresholds["SMALL_ROWS"] == 0  # BLAS at 1 row: the small form's run is empty
+        assert table.thresholds["SMALL_TOKENS"] == 0
+    sizes = {r.key for r in rows if r.size is not None}
+    if "DECODE_GATHER_MIN_KEYS_PER_TOP_K" in sizes:  # gather at 1 x top_k: the mask's run is empty
+        assert table.thresholds["DECODE_GATHER_MIN_KEYS_PER_TOP_K"] == 1

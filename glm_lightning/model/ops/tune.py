@@ -112,13 +112,14 @@ def recording(calls: dict[str, list[Call]], keep: str) -> Iterator[None]:
 
 def record(preset: str = "flash-25m") -> dict[str, list[Call]]:
     """The ops' calls in one training step (2 x 128 tokens, forward and backward) and in the last step of a cached
-    16-row generation (64-token prompt, 4 new tokens) of a fresh model of the preset."""
+    16-row generation (64-token prompt, 4 new tokens) of a fresh model of the preset (shorter where its context is)."""
     from glm_lightning.generation import generate
     from glm_lightning.model import GLMConfig, GLMModel
 
     torch.manual_seed(0)
-    model = GLMModel(GLMConfig.preset(preset))
-    ids = torch.randint(0, 256, (2, 129))
+    cfg = GLMConfig.preset(preset)
+    model = GLMModel(cfg)
+    ids = torch.randint(0, 256, (2, min(128, cfg.max_seq_len) + 1))
     calls: dict[str, list[Call]] = {}
     with recording(calls, "first"):
         out = model(ids[:, :-1])
@@ -127,8 +128,9 @@ def record(preset: str = "flash-25m") -> dict[str, list[Call]]:
     model.eval()
     decode: dict[str, list[Call]] = {}
     with recording(decode, "last"):
-        generate(model, torch.randint(0, 256, (1, 64)), max_new_tokens=4, num_samples=16, temperature=1.0,
-                 eos_id=None, generator=torch.Generator().manual_seed(0))
+        prompt = torch.randint(0, 256, (1, min(64, cfg.max_seq_len - 8)))
+        generate(model, prompt, max_new_tokens=4, num_samples=16, temperature=1.0, eos_id=None,
+                 generator=torch.Generator().manual_seed(0))
     for op, cs in decode.items():
         calls.setdefault(op, []).extend(cs)
     return calls
