@@ -30,7 +30,7 @@ def _f32(t: Tensor) -> Tensor:
 
 def _swiglu_cpp(hgu: Tensor) -> bool:
     """Whether SwiGLU runs as the C++ ops of csrc/swiglu.cpp for hgu."""
-    return hgu.is_contiguous() and backend.takes(hgu)
+    return hgu.is_contiguous() and backend.takes(hgu, op="swiglu")
 
 
 def _swiglu_act(hgu: Tensor) -> Tensor:
@@ -72,7 +72,7 @@ def _token_gates(w: Tensor, dtype: torch.dtype) -> Tensor:
 def _rows_scatter(src: Tensor, slot: Tensor, K: int, scale: Tensor | None, rows: int) -> Tensor:
     """[rows, d] zeros with row slot[f] = scale[f] * src[f // K] (slot, scale [N * K] in token order): one pass with the
     C++ ops (csrc/moe_rows.cpp), else repeat_interleave, product and index_copy_."""
-    if backend.takes(src, *(() if scale is None else (scale,))):
+    if backend.takes(src, *(() if scale is None else (scale,)), op="rows_scatter"):
         return torch.ops.glm_lightning.rows_scatter(src.contiguous(), slot, K, scale, rows)
     rep = src.repeat_interleave(K, dim=0)
     return src.new_zeros(rows, src.shape[-1]).index_copy_(0, slot, rep if scale is None else rep * scale[:, None])
@@ -81,7 +81,7 @@ def _rows_scatter(src: Tensor, slot: Tensor, K: int, scale: Tensor | None, rows:
 def _rows_gather_sum(src: Tensor, slot: Tensor, K: int, weight: Tensor | None) -> Tensor:
     """[N, d] with row n = sum_k weight[n K + k] * src[slot[n K + k]], k in order: one pass with the C++ ops, else
     index_select, product and sum."""
-    if backend.takes(src, *(() if weight is None else (weight,))):
+    if backend.takes(src, *(() if weight is None else (weight,)), op="rows_gather_sum"):
         return torch.ops.glm_lightning.rows_gather_sum(src.contiguous(), slot, K, weight)
     rows = src.index_select(0, slot).view(-1, K, src.shape[-1])
     return (rows if weight is None else rows * weight.view(-1, K, 1)).sum(1)
@@ -89,7 +89,7 @@ def _rows_gather_sum(src: Tensor, slot: Tensor, K: int, weight: Tensor | None) -
 
 def _rows_dot(a: Tensor, b: Tensor, slot: Tensor, K: int) -> Tensor:
     """[N * K] with entry f = <a[f // K], b[slot[f]]>: one pass with the C++ ops, else gather, product and sum."""
-    if backend.takes(a, b):
+    if backend.takes(a, b, op="rows_dot"):
         return torch.ops.glm_lightning.rows_dot(a.contiguous(), b.contiguous(), slot, K)
     return (a.repeat_interleave(K, dim=0) * b.index_select(0, slot)).sum(-1)
 
@@ -254,7 +254,7 @@ def moe_route(s: Tensor, bias: Tensor, top_k: int, scale: float, batch: int,
     ``balance_weight`` is 0), choices idx [N, K], per-expert counts [E] and, from the C++ op, the assignment rows
     (pos, slot) (else None: :func:`moe_experts` builds them)."""
     N, E = s.shape
-    if N > 0 and backend.takes(s):
+    if N > 0 and backend.takes(s, op="moe_route"):
         w, aux, idx, counts, *rows = _Routing.apply(s, bias, top_k, scale, batch, balance_weight)
         return w, aux if balance_weight > 0 else None, idx, counts, tuple(rows)
     idx, w = route_reference(s, _f32(bias), top_k, scale)
