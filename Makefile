@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install --quiet -e '.[dev,ray]'   # ray: the sweep's Ray backend, tested in CI too
 	-$(PY) -m glm_lightning fit --help > /dev/null  # builds the cached `fit --help` and config schema (help_cache.py); optional
+	-$(PY) -m glm_lightning.model.ops.tune  # builds the C++ ops, measures this CPU's op table (ops/choice.py); optional
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,7 +1,8 @@
 """`make bench`: every benchmark, each in its own process (so peak RSS is per benchmark), one summary table,
 numbers saved to benchmarks/results/latest.json.
 
-    python -m benchmarks [--quick] [--threads auto|1|2] [--only ops,cext,kda,train,bf16,generation,vs_commit,verifier,rl,cli]
+    python -m benchmarks [--quick] [--threads auto|1|2]
+                         [--only ops,cext,op_choice,kda,train,bf16,generation,vs_commit,verifier,rl,cli]
 
 The saved file keeps one row per benchmark: a run replaces the rows of the benchmarks it measured (each stamped with
 its time, `measured_utc`) and keeps every other row, so `--only kda` or a failed benchmark never loses the rest.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from glm_lightning.threads import choose_threads
 
-BENCHES = ("ops", "cext", "kda", "train", "bf16", "generation", "vs_commit", "verifier", "rl", "cli")
+BENCHES = ("ops", "cext", "op_choice", "kda", "train", "bf16", "generation", "vs_commit", "verifier", "rl", "cli")
 RESULTS = Path(__file__).parent / "results" / "latest.json"
 
 CHILD = """
@@ -65,6 +66,15 @@ def _rows_of(name: str, results: dict) -> list[tuple[str, str, str]]:
             if isinstance(r, dict):
                 rows.append((f"ops {name}", f"{r['total']:,} ATen ops/step (fwd {r['forward']:,}, bwd {r['backward']:,}, "
                                             f"AdamW {r['optimizer']:,})", f"<= {r['target']:,}"))
+    if "op_choice" in results:
+        o = results["op_choice"]
+        t = o["table"]
+        flips = ", ".join(f"{k} -> {v}" for k, v in t["changes"].items()) or "none"
+        rows.append(("op choice", f"table {t['digest']} ({t['source']}): {len(o['rows']) - len(o['slower'])} of "
+                                  f"{len(o['rows'])} chosen forms as fast as the other within noise"
+                                  + (f" (slower: {', '.join(o['slower'])})" if o["slower"] else ""),
+                     "every chosen >= other"))
+        rows.append(("op table", f"departures from the shipped defaults: {flips}", ""))
     if results.get("cext", {}).get("available"):
         c = results["cext"]
         rows.append(("C++ ops", f"study step {c['seconds_per_step_off']:.3f} -> {c['seconds_per_step_on']:.3f} s "

@@ -1,5 +1,5 @@
 """What machine a run ran on: the facts that, with the seed, fix its result (CPU kind, torch's CPU capability,
-thread count, library versions).
+thread count, library versions, the op table: which form of each op ran).
 
 A seed fixes a run only on one CPU kind at one thread count (kernels and summation order differ otherwise), so every
 run records :func:`machine_info` with its hyper-parameters and every study compares only runs whose
@@ -38,7 +38,8 @@ def cpu_key() -> str:
 
 
 def machine_info() -> dict[str, object]:
-    """The run's machine: CPU model and capability, the intra-op thread count in force, versions."""
+    """The run's machine: CPU model and capability, the intra-op thread count in force, versions, and the op table in
+    force (which form of each op ran: its digest, source and departures from the shipped defaults)."""
     import torch
 
     info: dict[str, object] = {
@@ -48,6 +49,9 @@ def machine_info() -> dict[str, object]:
         "torch": str(torch.__version__),
         "python": platform.python_version(),
     }
+    from glm_lightning.model.ops import choice  # which form of each op ran: the op table in force
+
+    info["op_table"] = choice.active().record()
     try:
         import lightning
 
@@ -58,7 +62,11 @@ def machine_info() -> dict[str, object]:
 
 
 def describe(info: dict[str, object] | None = None) -> str:
-    """One line for logs: 'AMD EPYC 9R14 [AVX512], 1 thread, torch 2.14.1'."""
+    """One line for logs: 'AMD EPYC 9R14 [AVX512], 1 thread, torch 2.14.1, op table 3f0c9a1b2d4e (measured)'."""
     info = machine_info() if info is None else info
     n = info["threads"]
-    return f"{info['cpu']} [{info['cpu_capability']}], {n} thread{'s' if n != 1 else ''}, torch {info['torch']}"
+    line = f"{info['cpu']} [{info['cpu_capability']}], {n} thread{'s' if n != 1 else ''}, torch {info['torch']}"
+    table = info.get("op_table")
+    if isinstance(table, dict):
+        line += f", op table {table.get('digest')} ({table.get('source')})"
+    return line

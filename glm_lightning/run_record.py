@@ -4,6 +4,8 @@ plain JSON-ready data: read by `export` (export.json, the model card), `glm_ligh
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Any
 
 STAGE_NAMES = {"PretrainModule": "pre-training", "VisionModule": "vision fine-tuning", "RLModule": "RL"}
@@ -42,3 +44,13 @@ def jsonable(value: Any) -> Any:
 
         return jsonable(dataclasses.asdict(value))
     return str(value)
+
+
+def weights_digest(path: str | Path) -> str:
+    """The first 16 hex digits of a weights file's sha256: what a run records of every checkpoint it loads, so a
+    sweep can tell a run made from other weights even when no argument or config file named them (issue 47)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]

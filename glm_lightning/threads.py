@@ -79,11 +79,15 @@ def choose_threads(cores: int | None = None) -> int:
 
 
 def use_threads(threads: int | None = None) -> int:
-    """Set torch's intra-op threads to `threads`, or to `choose_threads()` when None; returns the count."""
+    """Set torch's intra-op threads to `threads`, or to `choose_threads()` when None, and put the op table measured at
+    that count in force (glm_lightning/model/ops/choice.py); returns the count."""
     import torch  # here, not at the top: the command line names the count before the seconds of torch's import
 
     n = choose_threads() if threads is None else threads
     torch.set_num_threads(n)
+    from glm_lightning.model.ops import choice  # the op table measured at this thread count
+
+    choice.apply(n)
     return n
 
 

@@ -70,3 +70,25 @@ def test_without_a_pilot_the_plan_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(plan, "DATA_DIR", tmp_path)
     note = plan.power_plan(load_study(_study(tmp_path, seeds=10, margin=5.0)), False, log=lambda _m: None)
     assert note.startswith("no power plan") and "pilot" in note
+
+
+def test_the_plan_bounds_what_more_evaluation_tasks_buy(tmp_path, pilot):
+    """With `eval_tasks` stated, each claim's line gives the seeds needed with 2x and 4x the tasks as a range: at most
+    today's count (more tasks never add variance), at least the count if all binomial task-sampling variance went."""
+    path = _study(tmp_path, seeds=10, margin=5.0)
+    raw = yaml.safe_load(path.read_text())
+    raw["power_plan"]["eval_tasks"] = 40
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    (p,), _ = plan.plan_claims(load_study(path))
+    assert "2x tasks (80)" in p.line() and "4x tasks (160)" in p.line()
+    low4 = int(p.tasks.split("4x tasks (160): ")[1].split("-")[0].split(" ")[0])
+    low2 = int(p.tasks.split("2x tasks (80): ")[1].split("-")[0].split(" ")[0])
+    assert low4 <= low2 <= p.needed
+    # a pass rate near 0.45 on 40 tasks has task-sampling SD up to ~11 points on a difference: here more than the
+    # pilot's ~10, so the lower bound is the SD shrunk by the factor itself
+    assert low4 == tost_seeds(5.0, p.sd / 2, 0.05)
+    # a bigger task count leaves less to gain: the bound tightens towards today's need
+    raw["power_plan"]["eval_tasks"] = 100000
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    (q,), _ = plan.plan_claims(load_study(path))
+    assert q.tasks.split("4x tasks (400000): ")[1].split(" ")[0] == str(q.needed)

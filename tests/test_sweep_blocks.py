@@ -108,6 +108,34 @@ def test_starts_pick_the_checkpoint_closest_to_the_target(tmp_path):
     assert pick({Path("x"): 0.5, Path("y"): 0.0}, 0.25) == Path("x")
 
 
+def test_start_passes_are_cached_by_digest_so_a_second_pick_evaluates_only_new_files(tmp_path):
+    from glm_lightning.sweep.starts import PassCache
+
+    every = tmp_path / "run" / "checkpoints" / "every"
+    every.mkdir(parents=True)
+    for step in (4, 8):
+        (every / f"step{step}.ckpt").write_bytes(f"weights {step}".encode())
+    seen: list[str] = []
+
+    def evaluate(p: Path) -> float:
+        seen.append(p.name)
+        return {4: 0.1, 8: 0.2, 12: 0.3}[int(p.stem[4:])]
+
+    cache_file = tmp_path / "cache.json"
+    choose_starts({"pt0": tmp_path / "run"}, tmp_path / "out", 0.25, evaluate, log=lambda _m: None,
+                  cache=PassCache(cache_file, "dev|32"))
+    (every / "step12.ckpt").write_bytes(b"weights 12")  # pre-training wrote one more
+    (every / "step4.ckpt").write_bytes(b"weights 4, rewritten")  # and a file changed: evaluated again
+    record = choose_starts({"pt0": tmp_path / "run"}, tmp_path / "out", 0.25, evaluate, log=lambda _m: None,
+                           cache=PassCache(cache_file, "dev|32"))
+    assert seen == ["step4.ckpt", "step8.ckpt", "step4.ckpt", "step12.ckpt"]
+    assert record["pt0"]["source"].endswith("step8.ckpt")  # 0.2 and 0.3 tie at 0.05: the earlier step
+    # other evaluation settings never read these passes
+    assert PassCache(cache_file, "dev|64").get(every / "step8.ckpt") is None
+    cache_file.write_text("not json")
+    assert PassCache(cache_file, "dev|32").data == {}
+
+
 def test_start_candidates_come_in_step_order_so_ties_go_to_the_earlier_step(tmp_path):
     # the pre-training callback writes unpadded names (step4, step12, step100): string order would put step100 first
     every = tmp_path / "run" / "checkpoints" / "every"
@@ -118,6 +146,9 @@ def test_start_candidates_come_in_step_order_so_ties_go_to_the_earlier_step(tmp_
     assert [p.name for p in found] == ["step4.ckpt", "step8.ckpt", "step12.ckpt", "step100.ckpt"]
     passes = {p: {4: 0.0, 8: 0.0625, 12: 0.125, 100: 0.375}[int(p.stem[4:])] for p in found}
     assert pick(passes, 0.25).name == "step12.ckpt"  # 0.125 and 0.375 tie at exactly 0.125: the earlier step
+    assert [p.name for p in candidates(tmp_path / "run", (8, 12))] == ["step8.ckpt", "step12.ckpt"]
+    with pytest.raises(StudyError, match="has a step in 13:99"):
+        candidates(tmp_path / "run", (13, 99))
 
 
 def test_the_shipped_screen_study_is_the_tutorials_regime():

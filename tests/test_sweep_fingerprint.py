@@ -250,3 +250,42 @@ def test_rl_table_without_runs_refuses_and_leaves_the_committed_report(tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rl_table: error: no finished run") and "left as it was" in lines[0]
     assert copy.read_bytes() == committed.read_bytes()
+
+
+def test_weights_a_run_loaded_outside_its_fingerprint_are_checked_at_reuse(study_file, tmp_path):
+    """Issue 47: a checkpoint loaded through a code default is named by no argument or config file, so the fingerprint
+    cannot cover it; the run's own record (hparams.yaml `loaded_weights`, copied into DONE.json) does."""
+    from glm_lightning.sweep.runner import loaded_weights
+
+    out = tmp_path / "out"
+    study = load_study(study_file)
+    _finish(study, out)
+    hidden = tmp_path / "default_start.ckpt"
+    hidden.write_bytes(b"hidden v1")
+    spec = plan_runs(study, out)[0]
+    (spec.run_dir / "version_0").mkdir()
+    (spec.run_dir / "version_0" / "hparams.yaml").write_text(yaml.safe_dump({"loaded_weights": {str(hidden): fp.file_digest(hidden)[:16]}}))
+    recorded = loaded_weights(spec.run_dir)
+    done = json.loads((spec.run_dir / DONE_FILE).read_text())
+    (spec.run_dir / DONE_FILE).write_text(json.dumps({**done, "loaded_weights": recorded}))
+    assert read_done(spec) is not None  # unchanged: reused
+    hidden.write_bytes(b"hidden v2")
+    assert read_done(spec) is None and read_done(spec, accept_old=True) is not None
+    [(stale, what)] = stale_runs(plan_runs(study, out))
+    assert stale.key == spec.key and "default_start.ckpt" in what[0] and "then" in what[0]
+
+
+def test_a_stage_records_the_digest_of_the_weights_it_loads(tmp_path):
+    import torch
+
+    from glm_lightning.model import GLMConfig, GLMModel
+    from glm_lightning.modules.rl import RLModule
+    from glm_lightning.run_record import weights_digest
+
+    tiny = {"preset": "tiny", "model_overrides": {"max_seq_len": 192}}
+    src = GLMModel(GLMConfig.preset("tiny", max_seq_len=192))
+    ckpt = tmp_path / "start.ckpt"
+    torch.save({"glm_config": src.cfg.to_dict(), "state_dict": {f"model.{k}": v for k, v in src.state_dict().items()}}, ckpt)
+    module = RLModule(**tiny, init_weights=str(ckpt))
+    assert module.hparams["loaded_weights"] == {str(ckpt): weights_digest(ckpt)}
+    assert len(weights_digest(ckpt)) == 16 and weights_digest(ckpt) == fp.file_digest(ckpt)[:16]

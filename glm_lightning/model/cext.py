@@ -12,6 +12,9 @@ register through TORCH_LIBRARY (schema `glm_lightning::...`).
                                       an AVX2 machine, half that with AVX-512; once per source/torch
                                       version/CPU) and use it
     GLM_LIGHTNING_EXT=0               never build or load it: the PyTorch forms only
+    GLM_LIGHTNING_EXT_MARCH=haswell   build for another x86 target than this CPU's (-march=native): the kernels'
+                                      vector width follows it (kernel_helpers.h), so that this machine can run and
+                                      test the AVX2 (haswell) or SSE (x86-64-v2) code (tests/test_cext_widths.py)
     make ext                          build now and print the library path and the build time
 
 The library is cached under $GLM_LIGHTNING_CACHE (default ~/.cache/glm_lightning)/ext, keyed by a hash of the sources,
@@ -42,7 +45,7 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp
                                                                 "short_conv.cpp", "swiglu.cpp", "moe_rows.cpp",
                                                                 "kda_pointwise.cpp", "moe_route.cpp", "rms_norm.cpp",
                                                                 "decode_attention.cpp", "panel_matmul.cpp"))
-HEADERS = (Path(__file__).parent / "csrc" / "kernel_helpers.h",)
+HEADERS = (Path(__file__).parent / "csrc" / "kernel_helpers.h", Path(__file__).parent / "csrc" / "lanes.h")
 """Included by the sources: hashed with them, so that a change rebuilds the library."""
 BUILD_TIMEOUT_S = 2400
 """Upper bound of one build's wall time: ~4 min of g++ CPU time on a 2-core AVX2 machine (247 s; about 2 min of wall
@@ -50,9 +53,10 @@ time when it is idle), but a unit took over 15 min of wall time there while four
 the two cores (600 s killed it)."""
 COMPILE_S = {"sinkhorn.cpp": 107.0, "kda_recurrent.cpp": 87.0}
 """Seconds of g++ per source beyond torch's headers (~13 s), measured one file at a time on an AVX2 machine (the
-kernels' 16-lane vectors are one AVX-512 register but two AVX2 ones, so AVX2 machines compile them 2-3x longer: 47 and
-42 s on an AVX-512 one); the other sources take 1-2 s (`DEFAULT_COMPILE_S`). Used only to balance the parallel
-build's translation units."""
+kernels' vectors were then 16 lanes, two AVX2 registers, so AVX2 machines compiled them 2-3x longer: 47 and 42 s on an
+AVX-512 one; with the target's width, lanes.h, a whole AVX2 build took 145 s of g++ CPU against 202 s with 16 lanes on
+the Intel Xeon); the other sources take 1-2 s (`DEFAULT_COMPILE_S`). Used only to balance the parallel build's
+translation units."""
 DEFAULT_COMPILE_S = 2.0
 MAX_JOBS = 4
 """At most this many g++ processes at once (each holds ~1-1.5 GB)."""
@@ -63,14 +67,20 @@ def enabled() -> bool:
     return os.environ.get("GLM_LIGHTNING_EXT", "auto").strip().lower() not in ("0", "off", "false", "no")
 
 
-def _compile_flags(march: str = "native") -> list[str]:
-    """g++ flags for one translation unit: torch's headers (what torch.utils.cpp_extension would pass, without
-    importing it: its import probes for CUDA and warns), OpenMP for at::parallel_for. ``march`` is the target (the
-    build uses this CPU's; tests/test_cext_build.py cross-compiles for aarch64 with ``armv8-a``).
+def target_march() -> str:
+    """The target the library is built for: this CPU's (``native``) unless GLM_LIGHTNING_EXT_MARCH names another."""
+    return os.environ.get("GLM_LIGHTNING_EXT_MARCH", "").strip() or "native"
 
-    The kernels are portable C++: their explicit vectors are GCC vector extensions of 16 lanes (kernel_helpers.h),
-    which the compiler lowers to the target's registers (one AVX-512 register, two AVX2 ones, four NEON ones on
-    aarch64), and the only ISA-specific code (flushing denormals through MXCSR) is guarded for x86."""
+
+def _compile_flags(march: str | None = None) -> list[str]:
+    """g++ flags for one translation unit: torch's headers (what torch.utils.cpp_extension would pass, without
+    importing it: its import probes for CUDA and warns), OpenMP for at::parallel_for. ``march`` is the target (default
+    :func:`target_march`; tests/test_cext_build.py cross-compiles for aarch64 with ``armv8-a``).
+
+    The kernels are portable C++: their explicit vectors are GCC vector extensions as wide as one register of the
+    target (lanes.h: 16 fp32 lanes with AVX-512, 8 with AVX2, 4 with SSE or NEON), and the only ISA-specific
+    code (flushing denormals through MXCSR) is guarded for x86."""
+    march = target_march() if march is None else march
     torch_dir = Path(torch.__file__).parent
     return ["-O3", f"-march={march}", "-std=c++20", "-fPIC", "-fopenmp",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{torch_dir / 'include'}"]

@@ -29,6 +29,7 @@ import torch
 from glm_lightning.evaluation import VerifierSettings
 from glm_lightning.model import GLMConfig, GLMModel
 from glm_lightning.optim import AdamW
+from glm_lightning.run_record import weights_digest
 from glm_lightning.rl.config import PolicyLoss, Reward, Sampling
 
 INIT_WEIGHTS_REQUIRED = "required: a checkpoint path, or null for random weights"
@@ -227,6 +228,9 @@ class StageModule(pl.LightningModule):
         stage's own through `load_stage_weights`; the file is read once."""
         cfg, state, ckpt = read_checkpoint(path)
         check_same_model(path, cfg, self.glm_config, STAGE_OF_MODULE.get(type(self).__name__))
+        loaded = dict(self.hparams.get("loaded_weights") or {})
+        loaded[str(path)] = weights_digest(path)
+        self.hparams["loaded_weights"] = loaded  # in hparams.yaml: a sweep checks it when it reuses the run
         if "lm_head.weight" in state:  # the checkpoint's stage (e.g. RL) trained an untied output head
             self.model.untie_head()
         self.model.load_state_dict(state, strict=strict)

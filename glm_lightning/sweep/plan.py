@@ -10,8 +10,13 @@ The SD comes from `power_plan: {sd_from: <study>, reason: ...}` in the study fil
 docs/results/data/<study>.json, has the same variant names), else from the study's own committed data (an earlier
 run). Each claim uses its own variant's SD, or, for a variant the source lacks, the largest SD there. alpha is
 Holm's first step over the study's null claims on the metric (alpha / k), the bar a claim must clear when all are
-equivalent. More evaluation tasks per family shrink the part of the SD that comes from sampling tasks; the plan does
-not split the SD into parts, so it cannot say how much: re-pilot with more tasks to see.
+equivalent. More evaluation tasks shrink the part of the SD that comes from sampling tasks. When the study states how many
+tasks a run's metric averages over (`power_plan: {eval_tasks: N}`, a pass rate), the plan bounds what 2x and 4x the
+tasks would buy: a difference of two pass rates measured on n tasks drawn per seed varies across task draws by at most
+(p_c (1 - p_c) + p_v (1 - p_v)) / n (binomial; equal when the two arms' outcomes on a task are independent, less when,
+as on shared tasks, they agree more often), so the part between seeds is at least the rest. With m tasks the SD is then
+between sqrt(max(SD^2 n / m, SD^2 - V / n (1 - n / m))) and today's SD, and the seeds needed between the two counts
+those give. The plan prints that range; a pilot at the new task count pins it down.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class ClaimPlan:
     needed: int | None
     power: float
     unit: str = ""
+    tasks: str = ""
+    """With `power_plan.eval_tasks`: the seeds needed with 2x and 4x the evaluation tasks (a range, see above)."""
 
     @property
     def reachable(self) -> bool:
@@ -53,7 +60,7 @@ class ClaimPlan:
         return (f"{self.variant} vs control: margin ±{self.margin:g}{' ' + self.unit if self.unit else ''}, SD of "
                 f"paired differences {self.sd:.3g} ({self.source}, n={self.n_source}); equivalence at alpha {self.alpha:.3g} needs "
                 f"{need} seeds for {POWER:.0%} power if the true difference is 0; planned {self.planned}: power "
-                f"{self.power:.2f}" + ("" if self.reachable else " -- CANNOT REACH"))
+                f"{self.power:.2f}" + ("" if self.reachable else " -- CANNOT REACH") + self.tasks)
 
 
 def _scored_evaluation(study: Study, source: str) -> int | None:
@@ -78,6 +85,33 @@ def _source_values(study: Study, source: str, tag: str, scale: float) -> dict[st
         if value is not None and math.isfinite(value):
             out.setdefault(str(run["variant"]), {})[int(run["seed"])] = value * scale
     return out
+
+
+def task_bounds(margin: float, sd: float, alpha: float, n_tasks: int, means: tuple[float, float], scale: float,
+                factors: tuple[int, ...] = (2, 4)) -> str:
+    """'; with 2x tasks (320): 9-14 seeds, ...': the seeds the margin needs with more evaluation tasks, from the
+    binomial bound on the task-sampling part of the paired SD (module docstring). `means` are the two arms' mean
+    pass rates (fractions), `sd` and `margin` in the metric's scaled unit."""
+    v_task = sum(p * (1 - p) for p in means) * scale ** 2 / n_tasks  # at most this much of sd^2 is task sampling
+    out = []
+    for f in factors:
+        low_var = max(sd ** 2 / f, sd ** 2 - v_task * (1 - 1 / f))
+        low = tost_seeds(margin, math.sqrt(low_var), alpha) if low_var > 0 else 2
+        high = tost_seeds(margin, sd, alpha)
+        rng = "more than 1000" if low is None else f"{low}" if low == high else f"{low}-{high or '>1000'}"
+        out.append(f"{f}x tasks ({f * n_tasks}): {rng} seeds")
+    bound = math.sqrt(v_task)
+    why = (f"the binomial bound on task sampling, {bound:.3g}, is not below the SD: the data cannot say how much of it "
+           f"more tasks remove" if bound >= sd else f"task sampling is at most {bound:.3g} of the SD's {sd:.3g}")
+    return f"; with {', '.join(out)} ({why}; a pilot at the new task count pins it down)"
+
+
+def _means(study: Study, source: str, tag: str, variant: str, scale: float) -> tuple[float, float] | None:
+    values = _source_values(study, source, tag, scale)
+    arms = [values.get(study.control), values.get(variant)]
+    if not all(arms):
+        return None
+    return tuple(float(np.mean(list(a.values()))) / scale for a in arms)  # type: ignore[return-value]
 
 
 def paired_sds(study: Study, source: str, tag: str, scale: float) -> dict[str, tuple[float, int]]:
@@ -116,8 +150,13 @@ def plan_claims(study: Study) -> tuple[list[ClaimPlan], str]:
         needed = tost_seeds(float(claim.margin), sd, alpha) if sd > 0 else 2
         planned = len(study.seeds)
         power = tost_power(float(claim.margin), sd, planned, alpha) if sd > 0 and planned >= 2 else 0.0
+        tasks = ""
+        n_tasks = raw.get("eval_tasks")
+        means = _means(study, source, tag, claim.variant, metric.scale) if n_tasks else None
+        if n_tasks and means is not None and sd > 0:
+            tasks = task_bounds(float(claim.margin), sd, alpha, int(n_tasks), means, metric.scale)
         plans.append(ClaimPlan(claim.variant, claim.claim, float(claim.margin), sd, n_src, label, alpha, planned,
-                               needed, power, metric.unit))
+                               needed, power, metric.unit, tasks))
     return plans, ""
 
 

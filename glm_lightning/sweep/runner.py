@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from glm_lightning.sweep.events import final_values, read_scalars
-from glm_lightning.sweep.fingerprint import combine, describe_changes, git_revision
+from glm_lightning.sweep.fingerprint import combine, describe_changes, file_digest, git_revision
+from glm_lightning.sweep.fingerprint import _resolve as resolve_file
 from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError
 
 DONE_FILE = "DONE.json"
@@ -115,16 +116,45 @@ def changes_since(spec: RunSpec, done: dict[str, Any]) -> list[str] | None:
     inputs; what changed (config texts, checkpoints, source) when it is the same run (same arguments) made from
     other inputs; None when it is another run (other arguments, or, for a run recorded before fingerprints had
     parts, another base config)."""
+    loaded = changed_weights(done)
     if done.get("fingerprint") == spec.fingerprint:
-        return []
+        return loaded
     parts = done.get("parts")
     if isinstance(parts, dict):
         if parts.get("arguments") != spec.parts.get("arguments"):
             return None
-        return describe_changes(parts, spec.parts) or ["the fingerprint"]
+        return describe_changes(parts, spec.parts) + loaded or ["the fingerprint"]
     if spec.identity and done.get("fingerprint") == spec.identity:
         return ["checkpoints and package source unknown (the run predates fingerprints that cover them)"]
     return None
+
+
+def loaded_weights(run_dir: Path) -> dict[str, str]:
+    """The weights files a finished run loaded, with their digests, as its module recorded them in hparams.yaml
+    (`loaded_weights`): whatever named them, an argument, a config file or a code default."""
+    import yaml
+
+    out: dict[str, str] = {}
+    for path in sorted(run_dir.rglob("hparams.yaml"), key=lambda p: p.stat().st_mtime):
+        try:
+            hp = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(hp, dict) and isinstance(hp.get("loaded_weights"), dict):
+            out.update({str(k): str(v) for k, v in hp["loaded_weights"].items()})
+    return out
+
+
+def changed_weights(done: dict[str, Any]) -> list[str]:
+    """The weights a finished run loaded (DONE.json's `loaded_weights`) that are gone or differ now: the
+    fingerprint names only checkpoints its arguments and config files name, this covers every one the run read."""
+    out = []
+    for name, digest in sorted((done.get("loaded_weights") or {}).items()):
+        path = resolve_file(name, ())
+        now = file_digest(path)[:16] if path is not None else "missing"
+        if now != digest:
+            out.append(f"weights it loaded from {name} ({digest} then, {now} now)")
+    return out
 
 
 def read_done(spec: RunSpec, accept_old: bool = False) -> dict[str, Any] | None:
@@ -258,7 +288,7 @@ def finalize(spec: RunSpec, rc: int, wall_s: float) -> RunResult:
             git = git_revision()
             done = {"variant": spec.variant, "git": git, "seed": spec.seed, "fingerprint": spec.fingerprint,
                     "parts": spec.parts, "identity": spec.identity, "final": final, "steps": steps,
-                    "wall_s": round(wall_s, 2),
+                    "wall_s": round(wall_s, 2), "loaded_weights": loaded_weights(spec.run_dir),
                     "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "command": " ".join(spec.command())}
             (spec.run_dir / DONE_FILE).write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")

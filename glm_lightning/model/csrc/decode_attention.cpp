@@ -35,32 +35,39 @@ namespace {
 using glm_lightning_ops::dot_;
 using glm_lightning_ops::exp_;
 using glm_lightning_ops::Lanes;
-using v16 = Lanes<float>::Vec;
+using Vec = Lanes<float>::Vec;
 
 void check_keys(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), name, " must be fp32 on the CPU");
   TORCH_CHECK(t.stride(-1) == 1, name, "'s last dim must be contiguous");
 }
 
-// out[i] = q . key_i for the n (<= 16) rows key_i = k + i * stride, each D floats: 16 keys' lane sums reduced
-// together (Lanes::sums16) when D is a multiple of 16, else one dot_ per key. `ahead` (same layout): the keys the
+// Keys per `dots` call: one lane sum each, reduced together by one Lanes::sums16 (16 on AVX-512, 8 on AVX2, 4 on
+// SSE / NEON).
+constexpr int64_t kKeys = glm_lightning_ops::kLanes;
+// Floats per cache line, the prefetches' stride.
+constexpr int64_t kLineFloats = 16;
+
+// out[i] = q . key_i for the n (<= kKeys) rows key_i = k + i * stride, each D floats: their lane sums reduced
+// together (Lanes::sums16) when D is a multiple of kLanes, else one dot_ per key. `ahead` (same layout): the keys the
 // next call will read, prefetched (a decode step's cached keys are cold: the step streams the whole model).
 inline void dots(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t D, int64_t n,
                  float* __restrict out, const float* ahead) {
+  using L = Lanes<float>;
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(ahead + i * stride + d, 0, 0);
-  if (D % 16 != 0) {
+    for (int64_t d = 0; d < D; d += kLineFloats) __builtin_prefetch(ahead + i * stride + d, 0, 0);
+  if (D % L::N != 0) {
     for (int64_t i = 0; i < n; ++i) out[i] = dot_(q, k + i * stride, D);
     return;
   }
-  v16 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = v16{};
-  for (int64_t d = 0; d < D; d += 16) {
-    const v16 qv = Lanes<float>::load(q + d);
-    for (int64_t i = 0; i < n; ++i) acc[i] += qv * Lanes<float>::load(k + i * stride + d);
+  Vec acc[kKeys];
+  for (int i = 0; i < kKeys; ++i) acc[i] = Vec{};
+  for (int64_t d = 0; d < D; d += L::N) {
+    const Vec qv = L::load(q + d);
+    for (int64_t i = 0; i < n; ++i) acc[i] += qv * L::load(k + i * stride + d);
   }
-  float all[16];
-  Lanes<float>::store(all, Lanes<float>::sums16(acc));
+  float all[kKeys];
+  L::store(all, L::sums16(acc));
   for (int64_t i = 0; i < n; ++i) out[i] = all[i];
 }
 
@@ -77,10 +84,10 @@ at::Tensor index_scores_one(const at::Tensor& q_in, const at::Tensor& w_in, cons
   float* op = out.data_ptr<float>();
   const int64_t kb = k.stride(0), ks = k.stride(1);
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    float d[16];
+    float d[kKeys];
     for (int64_t b = b0; b < b1; ++b)
-      for (int64_t s0 = 0; s0 < S; s0 += 16) {
-        const int64_t n = std::min<int64_t>(16, S - s0);
+      for (int64_t s0 = 0; s0 < S; s0 += kKeys) {
+        const int64_t n = std::min<int64_t>(kKeys, S - s0);
         float* o = op + b * S + s0;
         const float* ahead = kp + std::min(b + 1, B - 1) * kb + s0 * ks;  // the next row's keys
         for (int64_t j = 0; j < HI; ++j) {  // heads summed in order
@@ -118,8 +125,8 @@ at::Tensor single_query_attention(const at::Tensor& q_in, const at::Tensor& k, c
       const int64_t b = r / H, g = (r % H) / G;
       const int64_t rn = std::min(r + 1, B * H - 1), bn = rn / H, gn = (rn % H) / G;  // the next row: prefetched
       const bool* m = mp + b * S;
-      for (int64_t s0 = 0; s0 < S; s0 += 16)  // logits of every key, then the masked ones set to -inf
-        dots(qp + r * D, kp + b * kb + g * kh + s0 * ks, ks, D, std::min<int64_t>(16, S - s0), p.data() + s0,
+      for (int64_t s0 = 0; s0 < S; s0 += kKeys)  // logits of every key, then the masked ones set to -inf
+        dots(qp + r * D, kp + b * kb + g * kh + s0 * ks, ks, D, std::min<int64_t>(kKeys, S - s0), p.data() + s0,
              kp + bn * kb + gn * kh + s0 * ks);
       float top = ninf;
       for (int64_t s = 0; s < S; ++s) {
@@ -138,7 +145,7 @@ at::Tensor single_query_attention(const at::Tensor& q_in, const at::Tensor& k, c
         if (pp[s] != 0.f) {
           const float e = pp[s];
           const float* __restrict val = vp + b * vb + g * vh + s * vs;
-          for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(vp + bn * vb + gn * vh + s * vs + d, 0, 0);
+          for (int64_t d = 0; d < D; d += kLineFloats) __builtin_prefetch(vp + bn * vb + gn * vh + s * vs + d, 0, 0);
           _Pragma("omp simd") for (int64_t d = 0; d < D; ++d) o[d] += e * val[d];
         }
       const float inv = 1.f / total;

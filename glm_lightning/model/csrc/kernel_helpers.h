@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include "lanes.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,53 +39,8 @@ void with_sizes(int64_t K, int64_t V, F&& fn) {
   return fn.template operator()<0, 0>();
 }
 
-// Explicit SIMD vectors of kLanes elements (GCC vector extensions: one fp32 AVX-512 register, two of AVX2) for the
-// loops the compiler will not vectorise on its own: dot products (a scalar `s += a * b` reduction stays scalar without
-// -ffast-math) and register tiles over a few tokens (left alone it vectorised over the tokens, with gathers).
-constexpr int kLanes = 16;
+// Lanes<T> and kLanes (the explicit SIMD vectors, as wide as the target's registers) live in lanes.h.
 
-template <typename T>
-struct Lanes {
-  typedef T Vec __attribute__((vector_size(kLanes * sizeof(T))));
-  typedef T Half __attribute__((vector_size(kLanes / 2 * sizeof(T))));
-  typedef T Quarter __attribute__((vector_size(kLanes / 4 * sizeof(T))));
-  static Vec load(const T* p) {
-    Vec v;
-    std::memcpy(&v, p, sizeof(Vec));
-    return v;
-  }
-  static void store(T* p, const Vec& v) { std::memcpy(p, &v, sizeof(Vec)); }
-  // The lanes summed as a tree of halves (4 shuffle + add steps instead of 15 dependent scalar adds).
-  static T sum(const Vec& v) {
-    const Half a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const Quarter b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-  }
-  // The sums of 16 vectors a[0..15] as one vector (lane i = sum(a[i])), adding lanes in sum's order (halves 8, 4, 2,
-  // 1 apart), so each is sum(a[i]) bit for bit: 15 adds and 30 shuffles instead of 16 trees of 4 + 4.
-  static Vec sums16(const Vec* a) {
-    Vec l1[8], l2[4], l3[2];
-    for (int p = 0; p < 8; ++p) {
-      const Vec x = a[2 * p], y = a[2 * p + 1];
-      l1[p] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-              __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    }
-    for (int p = 0; p < 4; ++p) {
-      const Vec x = l1[2 * p], y = l1[2 * p + 1];
-      l2[p] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-              __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    }
-    for (int p = 0; p < 2; ++p) {
-      const Vec x = l2[2 * p], y = l2[2 * p + 1];
-      l3[p] = __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-              __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    }
-    return __builtin_shufflevector(l3[0], l3[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           __builtin_shufflevector(l3[0], l3[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  }
-};
-static_assert(kLanes == 16, "Lanes<T>::sum is written for 16 lanes");
 
 // exp for the kernels' elementwise loops (KDA's decay factors, SiLU). fp32: a branch-free form the compiler
 // vectorises (2^n exp(r), |r| <= ln2 / 2, Cody-Waite split of ln2, degree-6 Taylor polynomial: within 3 ulp of expf

@@ -32,7 +32,15 @@ namespace {
 using PVec = glm_lightning_ops::Lanes<float>::Vec;
 constexpr int64_t kPanel = glm_lightning_ops::kLanes;  // outputs per panel: one vector
 
-// How far ahead (in rows k of a panel: 64 rows of 16 floats, 4 KB) the kernel prefetches each panel it streams, into
+// Accumulators per register tile: 16 where the target has 32 vector registers (AVX-512, aarch64), 12 where it has 16
+// (AVX2, SSE: the tile's accumulators, its weight vectors and the broadcast must fit without spilling).
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kTileAcc = 16;
+#else
+constexpr int kTileAcc = 12;
+#endif
+
+// How far ahead (in rows k of a panel: 64 rows, 4 KB at 16 lanes) the kernel prefetches each panel it streams, into
 // all cache levels. Measured on an Intel Xeon (AVX-512, 1 thread, weights cycled cold as in
 // benchmarks/bench_panel_matmul.py, one build per setting, a loaded machine): a non-temporal hint (0) streamed at
 // about half the rate of a plain read; no prefetch, or 16 rows ahead, lost to BLAS at 16 rows (no prefetch: 1.5-2x
@@ -83,21 +91,21 @@ inline void tile(const float* __restrict x, const float* __restrict P, float* __
   }
 }
 
-// tile<mb, V> for a run-time mb in [1, 16 / V]: every row count gets its own register tile (a tile padded with
+// tile<mb, V> for a run-time mb in [1, kTileAcc / V]: every row count gets its own register tile (a tile padded with
 // dummy rows, or one row at a time, would multiply the work or wait on one multiply-add chain per output).
 template <int V, int MB = 1>
 inline void tile_rows(int64_t mb, const float* x, const float* P, float* y, int64_t in, int64_t out, int64_t last_cols,
                       const float* bias, bool prefetch) {
-  if constexpr (MB * V < 16) {
+  if constexpr ((MB + 1) * V <= kTileAcc) {
     if (mb > MB) return tile_rows<V, MB + 1>(mb, x, P, y, in, out, last_cols, bias, prefetch);
   }
   tile<MB, V>(x, P, y, in, out, last_cols, bias, prefetch);
 }
 
-// Panels [p_begin, p_end) of one matrix against its `rows` rows, V panels at a time and up to 16 / V rows per tile:
-// as many accumulators as the registers hold (x86-64 AVX-512: 32 vector registers; MB x V <= 16 leaves room for the
-// V weight vectors), and several panels streaming at once when there are few rows (one row and one panel would wait
-// on one chain of multiply-adds). The first row block streams the panels from memory (prefetching); the others find
+// Panels [p_begin, p_end) of one matrix against its `rows` rows, V panels at a time and up to kTileAcc / V rows per
+// tile: as many accumulators as the registers hold (MB x V <= kTileAcc leaves room for the V weight vectors), and
+// several panels streaming at once when there are few rows (one row and one panel would wait on one chain of
+// multiply-adds). The first row block streams the panels from memory (prefetching); the others find
 // them in cache. Panels left over at the end (fewer than V) run one at a time.
 template <int V>
 inline void tiles(const float* x, const float* P, float* y, int64_t rows, int64_t p_begin, int64_t p_end, int64_t in,
@@ -106,15 +114,16 @@ inline void tiles(const float* x, const float* P, float* y, int64_t rows, int64_
     const int64_t v = std::min<int64_t>(V, p_end - p);
     const int64_t last_cols = std::min<int64_t>(kPanel, out - (p + v - 1) * kPanel);
     if (v == V) {
-      for (int64_t m = 0; m < rows; m += 16 / V)
-        tile_rows<V>(std::min<int64_t>(16 / V, rows - m), x + m * in, P + p * in * kPanel, y + m * out + p * kPanel,
-                     in, out, last_cols, bias == nullptr ? nullptr : bias + p * kPanel, m == 0);
+      for (int64_t m = 0; m < rows; m += kTileAcc / V)
+        tile_rows<V>(std::min<int64_t>(kTileAcc / V, rows - m), x + m * in, P + p * in * kPanel,
+                     y + m * out + p * kPanel, in, out, last_cols, bias == nullptr ? nullptr : bias + p * kPanel,
+                     m == 0);
     } else {
       for (int64_t j = p; j < p + v; ++j)
-        for (int64_t m = 0; m < rows; m += 16)
-          tile_rows<1>(std::min<int64_t>(16, rows - m), x + m * in, P + j * in * kPanel, y + m * out + j * kPanel,
-                       in, out, j == p + v - 1 ? last_cols : kPanel, bias == nullptr ? nullptr : bias + j * kPanel,
-                       m == 0);
+        for (int64_t m = 0; m < rows; m += kTileAcc)
+          tile_rows<1>(std::min<int64_t>(kTileAcc, rows - m), x + m * in, P + j * in * kPanel,
+                       y + m * out + j * kPanel, in, out, j == p + v - 1 ? last_cols : kPanel,
+                       bias == nullptr ? nullptr : bias + j * kPanel, m == 0);
     }
     p += v;
   }
@@ -122,8 +131,8 @@ inline void tiles(const float* x, const float* P, float* y, int64_t rows, int64_
 
 inline void matrix(const float* x, const float* P, float* y, int64_t rows, int64_t p_begin, int64_t p_end, int64_t in,
                    int64_t out, const float* bias) {
-  if (rows > 8) return tiles<1>(x, P, y, rows, p_begin, p_end, in, out, bias);
-  if (rows > 4) return tiles<2>(x, P, y, rows, p_begin, p_end, in, out, bias);
+  if (rows > kTileAcc / 2) return tiles<1>(x, P, y, rows, p_begin, p_end, in, out, bias);
+  if (rows > kTileAcc / 4) return tiles<2>(x, P, y, rows, p_begin, p_end, in, out, bias);
   return tiles<4>(x, P, y, rows, p_begin, p_end, in, out, bias);
 }
 

@@ -29,7 +29,8 @@
 
 namespace {
 
-using v16 = glm_lightning_ops::Lanes<float>::Vec;
+using glm_lightning_ops::kLanes;
+using v16 = glm_lightning_ops::Lanes<float>::Vec;  // kLanes floats (the name is from the 16-lane AVX-512 form)
 constexpr auto load16 = glm_lightning_ops::Lanes<float>::load;
 constexpr auto hsum = glm_lightning_ops::Lanes<float>::sum;
 constexpr auto sums16 = glm_lightning_ops::Lanes<float>::sums16;
@@ -44,8 +45,8 @@ inline void block(const float* __restrict x, const float* __restrict W, float* _
   static_assert(MB * NB <= 16, "one register tile");
   v16 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = v16{};
-  const int64_t kv = in - in % 16;
-  for (int64_t k = 0; k < kv; k += 16) {
+  const int64_t kv = in - in % kLanes;
+  for (int64_t k = 0; k < kv; k += kLanes) {
     v16 w[NB];
     for (int j = 0; j < NB; ++j) w[j] = load16(W + (n0 + j) * in + k);
     if (prefetch != nullptr)
@@ -57,7 +58,7 @@ inline void block(const float* __restrict x, const float* __restrict W, float* _
   }
   float sums[16];
   if constexpr (NB == 4) {
-    glm_lightning_ops::Lanes<float>::store(sums, sums16(acc));
+    for (int i = 0; i < 16; i += kLanes) glm_lightning_ops::Lanes<float>::store(sums + i, sums16(acc + i));
   } else {
     for (int i = 0; i < MB * NB; ++i) sums[i] = hsum(acc[i]);
   }

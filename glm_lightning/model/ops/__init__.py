@@ -3,7 +3,9 @@
 Each op has its reference form in ``reference.py`` (plain PyTorch following the papers' equations, autograd for the
 backward) and fast forms behind the function here: C++ ops (glm_lightning/model/cext.py, csrc/) where they take the
 tensors, else PyTorch forms that dispatch fewer ops. ``backend.takes`` is the one predicate (device, dtype, library
-loaded); ``thresholds.py`` holds every shape threshold with its measurement; ``backend.cpp_ops(False)`` switches the
+loaded, the op not switched off); ``thresholds.py`` holds every shape threshold with its measurement; ``choice.py`` the
+table of which form runs on this CPU (measured by ``python -m glm_lightning.model.ops.tune``, else the shipped
+defaults; put in force on import); ``backend.cpp_ops(False)`` switches the
 C++ ops off for a block (GLM_LIGHTNING_EXT=0 never loads them). ``mixed_precision.py`` is how the ops meet bf16 (GEMMs
 in bf16, native or emulated; every other op in fp32, cast at its boundary).
 
@@ -25,7 +27,7 @@ in bf16, native or emulated; every other op in fp32, cast at its boundary).
   ``single_query_attention`` | dsa.py |
 """
 
-from glm_lightning.model.ops import reference
+from glm_lightning.model.ops import choice, reference
 from glm_lightning.model.ops.backend import cpp_loaded, cpp_ops
 from glm_lightning.model.ops.dsa import (decode_attention, fill_empty_rows, index_scores, single_query_attention,
                                          topk_mask, topk_select)
@@ -45,3 +47,5 @@ __all__ = ["attention", "bf16_gemm", "cpp_loaded", "cpp_ops", "decode_attention"
            "moe_experts", "moe_route",
            "reference", "rms_norm", "short_conv", "single_query_attention", "sinkhorn", "site_read", "stream_read",
            "stream_write", "swiglu_mlp", "topk_mask", "topk_select"]
+
+choice.apply()  # this CPU's op table for the thread count in force (glm_lightning.threads re-applies it)

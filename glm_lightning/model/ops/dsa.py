@@ -17,9 +17,9 @@ from torch import Tensor
 from glm_lightning.model.ops import backend, mixed_precision as mp, thresholds
 
 
-def _decode_cpp(*tensors: Tensor) -> bool:
-    """Whether a decode step's C++ ops (no backward) take these tensors: nothing to differentiate, fp32 CPU."""
-    return not backend.needs_grad(*tensors) and backend.takes(*tensors, fp64=False)
+def _decode_cpp(op: str, *tensors: Tensor) -> bool:
+    """Whether a decode step's C++ op ``op`` (no backward) takes these tensors: nothing to differentiate, fp32 CPU."""
+    return not backend.needs_grad(*tensors) and backend.takes(*tensors, fp64=False, op=op)
 
 
 @mp.fp32_op
@@ -27,7 +27,7 @@ def index_scores(q: Tensor, w: Tensor, k: Tensor) -> Tensor:
     """``I[b, t, s] = sum_j w[b, t, j] * ReLU(q[b, j, t] . k[b, s])``: q [B, H_I, T, D_I], w [B, T, H_I] (already
     scaled), k [B, S, D_I] -> [B, T, S]."""
     B, HI, T, DI = q.shape
-    if T == 1 and _decode_cpp(q, w, k):
+    if T == 1 and _decode_cpp("index_scores", q, w, k):
         return torch.ops.glm_lightning.index_scores_one(q.reshape(B, HI, DI), w.reshape(B, HI), k).view(B, 1, -1)
     # heads folded into the rows of one bmm (no per-head copy of the S keys)
     dots = torch.bmm(q.reshape(B, HI * T, DI), k.transpose(1, 2)).view(B, HI, T, -1).relu_()  # [B, H_I, T, S]
@@ -73,7 +73,7 @@ def decode_key_mask(scores: Tensor, allowed: Tensor, top_k: int) -> Tensor:
     """A decode step's attention mask [B, 1, S]: :func:`topk_mask` of scores [B, 1, S] among the allowed [B, 1, S]
     keys, then :func:`fill_empty_rows` for the query at position S - 1."""
     B, _, S = scores.shape
-    if _decode_cpp(scores):
+    if _decode_cpp("topk_mask", scores):
         return torch.ops.glm_lightning.topk_mask_one(scores.view(B, S), allowed.view(B, S), top_k).view(B, 1, S)
     return fill_empty_rows(topk_mask(scores, allowed, top_k), S - 1)
 
@@ -85,7 +85,7 @@ def single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Ten
     product; the softmax in fp32 (fp64 for fp64 tensors), the products under the bf16 policy of mixed_precision."""
     B, H, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if _decode_cpp(q, k, v):
+    if _decode_cpp("single_query_attention", q, k, v):
         return torch.ops.glm_lightning.single_query_attention(q.reshape(B, H, D), k, v, mask.reshape(B, S),
                                                               D ** -0.5).view(B, H, 1, D)
     G = H // Hkv

@@ -33,7 +33,7 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
 def delta_step_(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> Tensor:
     """One delta-rule step written into S in place (no autograd). q, k, g [B, H, K]; v [B, H, V]; beta [B, H];
     S [B, H, K, V] fp32 (or fp64), contiguous; the step computes in S's dtype. Returns o [B, H, V]."""
-    if backend.takes(q, k, v, g, beta, S, fp64=False):
+    if backend.takes(q, k, v, g, beta, S, fp64=False, op="kda_delta_step"):
         return torch.ops.glm_lightning.delta_step_(q, k, v, g, beta, S)
     B, H, K, V = S.shape
     dt = S.dtype
@@ -49,7 +49,7 @@ def conv_step_(conv_state: Tensor, raw: Tensor, weight: Tensor) -> Tensor:
     """One step of the causal depthwise short conv + SiLU, shifting ``raw`` into ``conv_state`` in place:
     conv_state [B, ks-1, C] (the previous raw inputs), raw [B, 1, C], weight [C, 1, ks] -> SiLU(conv) [B, 1, C]."""
     C, ks = weight.shape[0], weight.shape[-1]
-    if backend.takes(conv_state, raw, weight, fp64=False):
+    if backend.takes(conv_state, raw, weight, fp64=False, op="kda_conv_step"):
         return torch.ops.glm_lightning.conv_step_(conv_state, raw, weight.view(C, ks)).view(raw.shape)
     xp = torch.cat([conv_state.to(raw.dtype), raw], dim=1)                          # [B, ks, C]
     # the weight made contiguous [ks, C] first: broadcast as the strided view w.t(), the product over [1536, 4, 576]
@@ -68,7 +68,8 @@ def kda_decode_step(raw: Tensor, f: Tensor, b: Tensor, gate: Tensor, valid: Tens
     are updated in place. Returns the gated, normed output [B, 1, HK] (fp32), before the output projection."""
     B = raw.shape[0]
     A_log = _f32(A_log)
-    if valid is None and backend.takes(raw, A_log, rescale, norm_weight, state, conv_state, conv_weight, fp64=False):
+    if valid is None and backend.takes(raw, A_log, rescale, norm_weight, state, conv_state, conv_weight, fp64=False,
+                                       op="kda_decode_step"):
         C, ks = conv_weight.shape[0], conv_weight.shape[-1]
         o = torch.ops.glm_lightning.kda_decode_core(raw, f, b, A_log, rescale, lb, conv_state,
                                                     conv_weight.view(C, ks), state, _f32(gate), norm_weight, norm_eps)

@@ -62,7 +62,7 @@ def kda_features(y: Tensor, f: Tensor, b: Tensor, A_log: Tensor, rescale: Tensor
                  lb: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """q, k, v [B, T, H, K], g [B, T, H, K], beta [B, T, H] from the conv output y [B, T, 3HK], the gate input f
     [B, T, HK] and b [B, T, H] (all fp32), A_log [H], rescale [2H, 1] (see ``reference.kda_features``)."""
-    if backend.takes(y, f, b, A_log, rescale):
+    if backend.takes(y, f, b, A_log, rescale, op="kda_features"):
         return _KDAFeaturesCpp.apply(y, f, b, A_log, rescale, lb)
     return reference.kda_features(y, f, b, A_log, rescale, lb)
 
@@ -90,7 +90,7 @@ def short_conv(raw: Tensor, weight: Tensor, context: Tensor | None = None) -> tu
     context [B, ks-1, C] the previous raw inputs or None for zeros (training). Returns [B, T, C] and, with a context,
     the raw inputs after it [B, ks-1+T, C] (the next context's source)."""
     T, ks, C = raw.shape[1], weight.shape[-1], raw.shape[-1]
-    if context is None and ks <= thresholds.SHORT_CONV_MAX_KERNEL and backend.takes(raw, weight):
+    if context is None and ks <= thresholds.SHORT_CONV_MAX_KERNEL and backend.takes(raw, weight, op="short_conv"):
         return _ShortConvCpp.apply(raw, weight), None
     # [B, T, C] viewed as [B, C, 1, T] is channels-last memory: oneDNN's depthwise conv2d needs no transpose copies
     if context is None:

@@ -76,7 +76,7 @@ def kda_core(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_siz
     ``reference.kda_recurrent``): the C++ recurrence when the C++ ops take the tensors and the head size (``cpp``
     None) or when asked (True), else the chunked form (``chunk_size`` and ``gate_bound`` only serve it)."""
     K, V = q.shape[-1], v.shape[-1]
-    use_cpp = (backend.takes(q, k, v, g, beta) if cpp is None else cpp) and q.shape[1] > 0
+    use_cpp = (backend.takes(q, k, v, g, beta, op="kda_recurrent") if cpp is None else cpp) and q.shape[1] > 0
     if use_cpp and recurrent_cpp_takes(K, V, q.dtype):
         B, _, H, _ = q.shape
         S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(q.dtype)

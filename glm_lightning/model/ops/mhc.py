@@ -82,7 +82,7 @@ def sinkhorn(logits: Tensor, iters: int = 20, eps: float = 1e-6) -> Tensor:
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
     flat = logits.reshape(-1, *shape[-2:])
-    cpp = shape[-1] <= thresholds.CPP_MAX_STREAMS and backend.takes(flat)
+    cpp = shape[-1] <= thresholds.CPP_MAX_STREAMS and backend.takes(flat, op="sinkhorn")
     return (_SinkhornCpp if cpp else _Sinkhorn).apply(flat, iters, eps).view(shape)
 
 
@@ -102,7 +102,7 @@ class _StreamReadCpp(torch.autograd.Function):
 @mp.fp32_op
 def stream_read(pre: Tensor, x: Tensor) -> Tensor:
     """h = sum_i H_pre[i] x_i: [..., n] x [..., n, C] -> [..., C]."""
-    if x.shape[-2] <= thresholds.CPP_MAX_STREAMS and backend.takes(x):
+    if x.shape[-2] <= thresholds.CPP_MAX_STREAMS and backend.takes(x, op="stream_read"):
         return _StreamReadCpp.apply(pre, x)
     return stream_read_reference(pre, x)
 
@@ -123,7 +123,7 @@ class _StreamWriteCpp(torch.autograd.Function):
 @mp.fp32_op
 def stream_write(res: Tensor, x: Tensor, post: Tensor, y: Tensor) -> Tensor:
     """x_next = H_res x + H_post^T y: [..., n, n], [..., n, C], [..., n], [..., C] -> [..., n, C]."""
-    if x.shape[-2] <= thresholds.CPP_MAX_STREAMS and backend.takes(x):
+    if x.shape[-2] <= thresholds.CPP_MAX_STREAMS and backend.takes(x, op="stream_write"):
         if not backend.needs_grad(res, x, post, y):  # decoding: the op itself, no autograd node
             return torch.ops.glm_lightning.stream_write(res, x, post, y)
         return _StreamWriteCpp.apply(res, x, post, y)
@@ -179,7 +179,7 @@ def site_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: 
     """The read half of an mHC site: streams x [..., n, C] -> (h = H_pre x [..., C], H_post [..., n],
     H_res [..., n, n]) in x's dtype; the parameters as :class:`glm_lightning.model.mhc.HyperConnection` holds them."""
     lead, (n, C) = x.shape[:-2], x.shape[-2:]
-    if n <= thresholds.SITE_READ_MAX_STREAMS and backend.takes(x, phi):
+    if n <= thresholds.SITE_READ_MAX_STREAMS and backend.takes(x, phi, op="site_read"):
         site = (_SiteReadCpp.apply if backend.needs_grad(x, phi, alpha, bias) else _site_read_no_grad)
         h, post, res = site(x.reshape(-1, n, C), phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters,
                             eps)

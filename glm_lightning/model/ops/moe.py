@@ -31,7 +31,7 @@ def _f32(t: Tensor) -> Tensor:
 
 def _swiglu_cpp(hgu: Tensor) -> bool:
     """Whether SwiGLU runs as the C++ ops of csrc/swiglu.cpp for hgu."""
-    return hgu.is_contiguous() and backend.takes(hgu)
+    return hgu.is_contiguous() and backend.takes(hgu, op="swiglu")
 
 
 def _swiglu_act(hgu: Tensor) -> Tensor:
@@ -73,7 +73,7 @@ def _token_gates(w: Tensor, dtype: torch.dtype) -> Tensor:
 def _rows_scatter(src: Tensor, slot: Tensor, K: int, scale: Tensor | None, rows: int) -> Tensor:
     """[rows, d] zeros with row slot[f] = scale[f] * src[f // K] (slot, scale [N * K] in token order): one pass with the
     C++ ops (csrc/moe_rows.cpp), else repeat_interleave, product and index_copy_."""
-    if backend.takes(src, *(() if scale is None else (scale,))):
+    if backend.takes(src, *(() if scale is None else (scale,)), op="rows_scatter"):
         return torch.ops.glm_lightning.rows_scatter(src.contiguous(), slot, K, scale, rows)
     rep = src.repeat_interleave(K, dim=0)
     return src.new_zeros(rows, src.shape[-1]).index_copy_(0, slot, rep if scale is None else rep * scale[:, None])
@@ -82,7 +82,7 @@ def _rows_scatter(src: Tensor, slot: Tensor, K: int, scale: Tensor | None, rows:
 def _rows_gather_sum(src: Tensor, slot: Tensor, K: int, weight: Tensor | None) -> Tensor:
     """[N, d] with row n = sum_k weight[n K + k] * src[slot[n K + k]], k in order: one pass with the C++ ops, else
     index_select, product and sum."""
-    if backend.takes(src, *(() if weight is None else (weight,))):
+    if backend.takes(src, *(() if weight is None else (weight,)), op="rows_gather_sum"):
         return torch.ops.glm_lightning.rows_gather_sum(src.contiguous(), slot, K, weight)
     rows = src.index_select(0, slot).view(-1, K, src.shape[-1])
     return (rows if weight is None else rows * weight.view(-1, K, 1)).sum(1)
@@ -90,7 +90,7 @@ def _rows_gather_sum(src: Tensor, slot: Tensor, K: int, weight: Tensor | None) -
 
 def _rows_dot(a: Tensor, b: Tensor, slot: Tensor, K: int) -> Tensor:
     """[N * K] with entry f = <a[f // K], b[slot[f]]>: one pass with the C++ ops, else gather, product and sum."""
-    if backend.takes(a, b):
+    if backend.takes(a, b, op="rows_dot"):
         return torch.ops.glm_lightning.rows_dot(a.contiguous(), b.contiguous(), slot, K)
     return (a.repeat_interleave(K, dim=0) * b.index_select(0, slot)).sum(-1)
 
@@ -141,15 +141,18 @@ class _GroupedExperts(torch.autograd.Function):
 
 
 class _SegmentExperts(torch.autograd.Function):
-    """The routed experts over sorted tokens without padding: each expert's two (and in backward four) GEMMs run on
-    its own contiguous segment of the sorted assignments, written in place with ``mm(..., out=)``.
+    """The routed experts over sorted tokens without padding, one expert at a time: each expert's two (and in backward
+    four) GEMMs run on its own contiguous segment of the sorted assignments, with its activation in between.
 
-    Same math and backward as :class:`_GroupedExperts`; for large calls, where a zero-padded [E, max load, d] batch
-    wastes what the loads are unequal by (a 96-prompt RL prefill shares its prompts' prefix, so identical tokens pick
-    identical experts: the largest load was 1.8x the mean). The segments are views from one ``split`` per tensor, so
-    each expert costs about one dispatched op per GEMM. ``token`` [A] is the token of each sorted assignment (the
-    forward's gather), ``pos`` [N * K] the sorted row of token n's k-th choice (the gated combine and the backward, with
-    the row moves of :class:`_GroupedExperts`).
+    Same math and backward as :class:`_GroupedExperts`. Why: no zero padding (the padded [E, max load, d] batch wastes
+    what the loads are unequal by: a 96-prompt RL prefill shares its prompts' prefix, so identical tokens pick
+    identical experts, the largest load 1.8x the mean), and one expert's intermediates at a time (at flash-25m's 32 x
+    128, ~1,000 rows: [rows, 2h] is 3 MB, where the whole padded batch's is 28 MB), so that the activation and its
+    backward read what the GEMM just wrote from the cache instead of memory (the SwiGLU backward over the whole batch
+    ran at ~3x its in-cache time per element). The segments are views from one ``split`` per tensor, so each expert
+    costs a few dispatched ops. ``token`` [A] is the token of each sorted assignment (the forward's gather), ``pos``
+    [N * K] the sorted row of token n's k-th choice (the gated combine and the backward, with the row moves of
+    :class:`_GroupedExperts`).
     """
 
     @staticmethod
@@ -158,51 +161,42 @@ class _SegmentExperts(torch.autograd.Function):
         A, h = token.numel(), w_down.shape[-1]
         used = [e for e, n in enumerate(counts) if n]
         xs = x.index_select(0, token)                                                  # [A, d] sorted by expert
-        hgu = x.new_empty(A, 2 * h)
-        xs_e, hgu_e, wgu_t = xs.split(counts), hgu.split(counts), w_gate_up.transpose(1, 2).unbind(0)
+        hgu, ys = x.new_empty(A, 2 * h), x.new_empty(A, x.shape[-1])
+        xs_e, hgu_e, ys_e = xs.split(counts), hgu.split(counts), ys.split(counts)
+        wgu_t, wd_t = w_gate_up.transpose(1, 2).unbind(0), w_down.transpose(1, 2).unbind(0)
+        a_e: list[Tensor] = []                                                         # [n_e, h] per used expert
         for e in used:
             mp.mm(xs_e[e], wgu_t[e], out=hgu_e[e])
-        a = _swiglu_act(hgu)
-        ys = x.new_empty(A, x.shape[-1])
-        a_e, ys_e, wd_t = a.split(counts), ys.split(counts), w_down.transpose(1, 2).unbind(0)
-        for e in used:
-            mp.mm(a_e[e], wd_t[e], out=ys_e[e])
+            a_e.append(_swiglu_act(hgu_e[e]))
+            mp.mm(a_e[-1], wd_t[e], out=ys_e[e])
         gates = _token_gates(w, x.dtype)
-        ctx.save_for_backward(xs, hgu, a, ys, gates, w_gate_up, w_down, pos)
+        ctx.save_for_backward(xs, hgu, ys, gates, w_gate_up, w_down, pos, *a_e)
         ctx.counts, ctx.used, ctx.w_shape, ctx.w_dtype = counts, used, w.shape, w.dtype
         return _rows_gather_sum(ys, pos, w.shape[-1], gates)
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # type: ignore[override]
-        xs, hgu, a, ys, gates, w_gate_up, w_down, pos = ctx.saved_tensors
+        xs, hgu, ys, gates, w_gate_up, w_down, pos, *a_e = ctx.saved_tensors
         counts, used, need = ctx.counts, ctx.used, ctx.needs_input_grad
         K = ctx.w_shape[-1]
         dy = dy.contiguous()
         dw = _rows_dot(dy, ys, pos, K).view(ctx.w_shape)
         dys = _rows_scatter(dy, pos, K, gates, ys.shape[0])                           # [A, d], every row written
-        da = a.new_empty(a.shape)                                                      # [A, h]
-        dys_e, da_e, wd = dys.split(counts), da.split(counts), w_down.unbind(0)
-        for e in used:
-            mp.mm(dys_e[e], wd[e], out=da_e[e])
-        dw_down = None
-        if need[3]:
-            dw_down = torch.zeros_like(w_down)                                        # [E, d, h]
-            dys_t, a_e, dwd = dys.t().split(counts, dim=1), a.split(counts), dw_down.unbind(0)
-            for e in used:
-                mp.mm(dys_t[e], a_e[e], out=dwd[e])
-        dhgu = _swiglu_act_backward(da, hgu)
-        dw_gate_up = dx = None
-        if need[2]:
-            dw_gate_up = torch.zeros_like(w_gate_up)                                  # [E, 2h, d]
-            dhgu_t, xs_e, dwgu = dhgu.t().split(counts, dim=1), xs.split(counts), dw_gate_up.unbind(0)
-            for e in used:
-                mp.mm(dhgu_t[e], xs_e[e], out=dwgu[e])
-        if need[0]:
-            dxs = xs.new_empty(xs.shape)
-            dhgu_e, dxs_e, wgu = dhgu.split(counts), dxs.split(counts), w_gate_up.unbind(0)
-            for e in used:
-                mp.mm(dhgu_e[e], wgu[e], out=dxs_e[e])
-            dx = _rows_gather_sum(dxs, pos, K, None)
+        dw_gate_up = torch.zeros_like(w_gate_up) if need[2] else None                 # [E, 2h, d]
+        dw_down = torch.zeros_like(w_down) if need[3] else None                       # [E, d, h]
+        dxs = xs.new_empty(xs.shape) if need[0] else None
+        dys_e, xs_e, hgu_e = dys.split(counts), xs.split(counts), hgu.split(counts)
+        wd, wgu = w_down.unbind(0), w_gate_up.unbind(0)
+        dxs_e = None if dxs is None else dxs.split(counts)
+        for a, e in zip(a_e, used):
+            if dw_down is not None:
+                mp.mm(dys_e[e].t(), a, out=dw_down[e])
+            dhgu = _swiglu_act_backward(mp.mm(dys_e[e], wd[e]), hgu_e[e])              # [n_e, 2h]
+            if dw_gate_up is not None:
+                mp.mm(dhgu.t(), xs_e[e], out=dw_gate_up[e])
+            if dxs_e is not None:
+                mp.mm(dhgu, wgu[e], out=dxs_e[e])
+        dx = None if dxs is None else _rows_gather_sum(dxs, pos, K, None)
         return (dx, dw if dw.dtype == ctx.w_dtype else dw.to(ctx.w_dtype), dw_gate_up, dw_down, None, None, None)
 
 
@@ -267,7 +261,7 @@ def moe_route(s: Tensor, bias: Tensor, top_k: int, scale: float, batch: int,
     ``balance_weight`` is 0), choices idx [N, K], per-expert counts [E] and, from the C++ op, the assignment rows
     (pos, slot) (else None: :func:`moe_experts` builds them)."""
     N, E = s.shape
-    if N > 0 and backend.takes(s):
+    if N > 0 and backend.takes(s, op="moe_route"):
         if backend.needs_grad(s, bias):
             w, aux, idx, counts, *rows = _Routing.apply(s, bias, top_k, scale, batch, balance_weight)
         else:  # decoding: the op itself, no autograd node

@@ -36,7 +36,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     xc = x if x.dtype == dt else x.to(dt)
     w = weight if weight is None or weight.dtype == dt else weight.to(dt)
     xc = xc if xc.is_contiguous() else xc.contiguous()
-    if w is not None and backend.takes(xc, w):
+    if w is not None and backend.takes(xc, w, op="rms_norm"):
         # without autograd the op itself: Function.apply's node and saved tensors cost a decode step ~1 us per call
         y = (_RMSNormCpp.apply(xc, w, eps) if backend.needs_grad(xc, w)
              else torch.ops.glm_lightning.rms_norm(xc, w, eps).view(xc.shape))
@@ -68,6 +68,6 @@ def gated_head_norm(o: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tens
     """KDA's output norm RMSNorm_head(o) * weight * sigmoid(gate): o [B, T, H, K] (fp32), gate [B, T, H*K] ->
     [B, T, H*K] fp32 (fp64 for an fp64 o)."""
     gate = gate if gate.dtype == o.dtype else gate.to(o.dtype)
-    if backend.takes(o, gate, weight):
+    if backend.takes(o, gate, weight, op="gated_head_norm"):
         return _GatedHeadNormCpp.apply(o, gate, weight, eps)
     return reference.gated_head_norm(o, gate, weight, eps)

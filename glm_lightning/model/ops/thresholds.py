@@ -16,8 +16,9 @@ not enough (issue 49): on an Intel Xeon with AVX-512 and AMX (family 6 model 207
 thread, load 3-5) BLAS won with these AVX-512 defaults: cached generation 251 tok/s with both 0 against 233 as shipped
 (``bench_decode_thresholds``, 5 alternated rounds, BLAS faster in each), and one [192 x 384] weight of 300 cycled
 through took ``small_matmul`` 113 / 102 / 139 us at 1 / 4 / 16 rows against 71 / 79 / 128 us for ``mm(x, W.t())``.
-They are left as they are until the choice is measured on the CPU at hand (issue 49's op-choice table), not keyed by
-the capability alone.
+The values here are the shipped defaults (DEFAULTS below); the op-choice table (choice.py), measured on the CPU at hand
+by ``python -m glm_lightning.model.ops.tune``, replaces SMALL_ROWS, SMALL_TOKENS and DECODE_GATHER_MIN_KEYS_PER_TOP_K
+there (it measures both forms at a few sizes and moves a threshold only where the other form won by its margin).
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ SDPA (B=16, top_k=64: mask 1.7 vs gather 3.2 ms at 101 keys, gather 4.5 vs mask 
 with the C++ decode ops (one flash-25m DSA layer, 16 rows, 1 thread, `python -m benchmarks.bench_decode_gather`):
 gather/mask 1.16x at 100 keys, 1.22x at 160, 0.90x at 256, 1.06x at 384, 0.96x at 512 (a loaded machine; see
 docs/performance.md, "The ops layer")."""
+
+DEFAULTS: dict[str, float] = {"SMALL_ROWS": SMALL_ROWS, "SMALL_TOKENS": SMALL_TOKENS, "SEGMENT_TOKENS": SEGMENT_TOKENS,
+                               "SEGMENT_PADDING": SEGMENT_PADDING,
+                               "DECODE_GATHER_MIN_KEYS_PER_TOP_K": DECODE_GATHER_MIN_KEYS_PER_TOP_K}
+"""The shipped values above: the op table's defaults (choice.py). Where this CPU's table was measured
+(``python -m glm_lightning.model.ops.tune``), choice.apply sets the names above to its values."""
 
 # --- kernel limits: what the C++ ops are compiled for ---------------------------------------------------------------
 CPP_MAX_STREAMS = 8
