@@ -40,7 +40,8 @@ RESULTS_FILE = "results.json"
 EXPERIMENTS = REPO_ROOT / "configs" / "experiments"
 STUDIES = ("ordering", "diversity", "curriculum", "rl_reward", "rl_invalid_penalty", "rl_temperature",
            "rl_group_size", "rl_screen_tutorial", "ablation_mhc", "ablation_mhc_2streams", "ablation_mixer",
-           "ablation_moe", "ablation_indexer", "ablation_moe_25m", "ablation_mixer_25m", "ablation_mixer_avx512", "bf16_parity", "bf16_parity_rl")
+           "ablation_moe", "ablation_indexer", "ablation_moe_25m", "ablation_mixer_25m", "ablation_mixer_avx512", "bf16_parity", "bf16_parity_rl",
+           "rl_screen_tutorial_t1")
 """The studies of the table, in its order (each must have `claims:`)."""
 WORKERS = 2
 
@@ -362,7 +363,9 @@ flash-25m from 3 under-trained pre-training checkpoints near 25% greedy pass, 6 
 seed and so within its checkpoint, the checkpoints as blocks), scored at each run's evaluation after exactly 128
 training completions (`score_at`); differences from the tutorial's screen remain, listed in
 [rl_screen_tutorial](rl_screen_tutorial.md) (the trained objective's temperature, the start's level, model size
-26.5M vs 25.7M, prompt reuse, the evaluation set).
+26.5M vs 25.7M, prompt reuse, the evaluation set). The rows of rl_screen_tutorial_t1 run the temperature arms again
+under the tutorial's objective (log-probs trained at T 1) with a 128-completion budget, on starts pre-trained again
+on another CPU kind (an Intel Xeon): the same regime, other start checkpoints.
 """
 
 

@@ -5,7 +5,8 @@
 What is timed are the ops' real calls (recorded_calls.py): one training step (forward + backward, 2 x 128 tokens) and
 one cached decode step (16 rows) of the preset are run once with every op's arguments recorded; then each op's calls are
 replayed with its C++ form and with its PyTorch form, in alternated rounds (choice.time_pair), and the thresholds'
-forms are timed at a few sizes on the preset's own weights (SMALL_ROWS: every decode linear at 1-64 rows; SMALL_TOKENS:
+forms are timed at a few sizes on the preset's own weights, inside a cached decode where the few-row form is
+panel_matmul on weights packed once (SMALL_ROWS: every decode linear at 1-64 rows; SMALL_TOKENS:
 every MoE layer's experts at 1-96 tokens; DECODE_GATHER_MIN_KEYS_PER_TOP_K: one DSA layer's decode attention at 1-8 x
 top_k keys; SEGMENT_TOKENS: one MoE layer's experts in training at 1,024-4,096 tokens, the busiest expert ~1.4x the
 mean load). A choice departs from the shipped default only by choice.decide's margin rule. One progress line per op;
@@ -92,7 +93,7 @@ class Row:
             return "mask" if self.size < limit else "gather"
         if self.key == "SEGMENT_TOKENS":
             return "padded" if self.size < limit else "segments"
-        return "small_matmul" if self.size <= limit else "BLAS"
+        return "panel_matmul" if self.size <= limit else "BLAS"
 
     def seconds(self, form: str) -> list[float]:
         return self.default_s if form == self.forms[0] else self.other_s
@@ -114,8 +115,10 @@ def _linear_probe(calls: list[Call], rows: int) -> Callable[[], None]:
             seen.add(weight.data_ptr())
             items.append((torch.randn(rows, weight.shape[1]), weight.detach(), None if bias is None else bias.detach()))
 
+    store: dict[torch.Tensor, torch.Tensor] = {}  # packed once, as one generation does (its first step)
+
     def run() -> None:
-        with torch.no_grad():
+        with torch.no_grad(), matmul.packed_weights(store):  # inside a decode: the form that runs there
             for x, w, b in items:
                 matmul.linear(x, w, b)
 
@@ -132,8 +135,10 @@ def _experts_probe(weights: list[tuple[torch.Tensor, torch.Tensor, int]], tokens
         items.append((torch.randn(tokens, d, generator=g), idx, torch.rand(tokens, k, generator=g).softmax(-1), wgu,
                       wd, torch.bincount(idx.reshape(-1), minlength=E)))
 
+    store: dict[torch.Tensor, torch.Tensor] = {}
+
     def run() -> None:
-        with torch.no_grad():
+        with torch.no_grad(), matmul.packed_weights(store):
             for x, idx, w, wgu, wd, counts in items:
                 moe.moe_experts(x, idx, w, wgu, wd, counts)
 
@@ -208,10 +213,10 @@ def measure(calls: dict[str, list[Call]], rounds: int = choice.ROUNDS, say: Call
             for r in ROW_SIZES:
                 probe = _linear_probe(calls["linear"], r)
                 cpp_first = r <= ref.thresholds["SMALL_ROWS"]
-                forms = ("small_matmul", "BLAS") if cpp_first else ("BLAS", "small_matmul")
+                forms = ("panel_matmul", "BLAS") if cpp_first else ("BLAS", "panel_matmul")
                 a, b = _forced(probe, "SMALL_ROWS", 10**9), _forced(probe, "SMALL_ROWS", 0)
                 row = compare(f"SMALL_ROWS at {r} rows", "SMALL_ROWS", r, forms, *((a, b) if cpp_first else (b, a)))
-                small[r] = row.chosen == "small_matmul"
+                small[r] = row.chosen == "panel_matmul"
             limits["SMALL_ROWS"] = choice.threshold_from(ROW_SIZES, small, int(ref.thresholds["SMALL_ROWS"]), True)
             speedups["SMALL_ROWS"] = 1.0
         layers = _distinct_experts([c for c in calls.get("moe_experts", []) if not c.grad])
@@ -220,11 +225,11 @@ def measure(calls: dict[str, list[Call]], rounds: int = choice.ROUNDS, say: Call
             for n in TOKEN_SIZES:
                 probe = _experts_probe(layers, n)
                 cpp_first = n <= ref.thresholds["SMALL_TOKENS"]
-                forms = ("small_matmul", "BLAS") if cpp_first else ("BLAS", "small_matmul")
+                forms = ("panel_matmul", "BLAS") if cpp_first else ("BLAS", "panel_matmul")
                 a, b = _forced(probe, "SMALL_TOKENS", 10**9), _forced(probe, "SMALL_TOKENS", 0)
                 row = compare(f"SMALL_TOKENS at {n} tokens", "SMALL_TOKENS", n, forms,
                               *((a, b) if cpp_first else (b, a)))
-                small[n] = row.chosen == "small_matmul"
+                small[n] = row.chosen == "panel_matmul"
             limits["SMALL_TOKENS"] = choice.threshold_from(TOKEN_SIZES, small, int(ref.thresholds["SMALL_TOKENS"]),
                                                            True)
             speedups["SMALL_TOKENS"] = 1.0
