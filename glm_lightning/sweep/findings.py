@@ -191,7 +191,12 @@ def _tutorial_cell(c: Claim) -> str:
 
 
 def _command(study: Study) -> str:
-    return f"`python -m glm_lightning sweep --config {_rel(study.path)} --workers {WORKERS}`"
+    """The command that runs the study as shipped (with the override its power plan needs, where it falls short)."""
+    from glm_lightning.sweep.plan import plan_claims
+
+    short = any(not p.reachable for p in plan_claims(study)[0])
+    return (f"`python -m glm_lightning sweep --config {_rel(study.path)} --workers {WORKERS}"
+            + (" --allow-underpowered`" if short else "`"))
 
 
 def _wall(found: StudyResults) -> str:
