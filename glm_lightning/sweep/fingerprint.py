@@ -96,7 +96,7 @@ def _strings(value: Any) -> Iterable[str]:
             yield from _strings(v)
 
 
-def _resolve(value: str, near: Sequence[Path]) -> Path | None:
+def resolve_file(value: str, near: Sequence[Path]) -> Path | None:
     """The existing file `value` names (relative paths: the working directory first, as the run resolves them,
     then the directories in `near`), else None."""
     p = Path(value)
@@ -136,11 +136,11 @@ def referenced_files(args: Sequence[str]) -> tuple[dict[str, Path], dict[str, Pa
         value, near = todo.pop(0)
         suffix = Path(value).suffix.lower()
         if suffix in CHECKPOINT_SUFFIXES:
-            checkpoints.setdefault(value, _resolve(value, near))
+            checkpoints.setdefault(value, resolve_file(value, near))
             continue
         if suffix not in CONFIG_SUFFIXES:
             continue
-        path = _resolve(value, near)
+        path = resolve_file(value, near)
         if path is None or portable_path(path) in configs:
             continue
         configs[portable_path(path)] = path

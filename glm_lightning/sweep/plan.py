@@ -93,11 +93,11 @@ def task_bounds(margin: float, sd: float, alpha: float, n_tasks: int, means: tup
     binomial bound on the task-sampling part of the paired SD (module docstring). `means` are the two arms' mean
     pass rates (fractions), `sd` and `margin` in the metric's scaled unit."""
     v_task = sum(p * (1 - p) for p in means) * scale ** 2 / n_tasks  # at most this much of sd^2 is task sampling
+    high = tost_seeds(margin, sd, alpha)  # more tasks never add variance: today's need is the upper end
     out = []
     for f in factors:
         low_var = max(sd ** 2 / f, sd ** 2 - v_task * (1 - 1 / f))
         low = tost_seeds(margin, math.sqrt(low_var), alpha) if low_var > 0 else 2
-        high = tost_seeds(margin, sd, alpha)
         rng = "more than 1000" if low is None else f"{low}" if low == high else f"{low}-{high or '>1000'}"
         out.append(f"{f}x tasks ({f * n_tasks}): {rng} seeds")
     bound = math.sqrt(v_task)
@@ -106,17 +106,16 @@ def task_bounds(margin: float, sd: float, alpha: float, n_tasks: int, means: tup
     return f"; with {', '.join(out)} ({why}; a pilot at the new task count pins it down)"
 
 
-def _means(study: Study, source: str, tag: str, variant: str, scale: float) -> tuple[float, float] | None:
-    values = _source_values(study, source, tag, scale)
+def _means(study: Study, values: dict[str, dict[int, float]], variant: str, scale: float) -> tuple[float, float] | None:
+    """The control's and the variant's mean pass rates (fractions) in the source's values."""
     arms = [values.get(study.control), values.get(variant)]
     if not all(arms):
         return None
     return tuple(float(np.mean(list(a.values()))) / scale for a in arms)  # type: ignore[return-value]
 
 
-def paired_sds(study: Study, source: str, tag: str, scale: float) -> dict[str, tuple[float, int]]:
-    """SD (ddof 1) and n of the paired differences variant - control per variant in `source`'s committed data."""
-    values = _source_values(study, source, tag, scale)
+def paired_sds(study: Study, values: dict[str, dict[int, float]]) -> dict[str, tuple[float, int]]:
+    """SD (ddof 1) and n of the paired differences variant - control per variant in a source's values."""
     control = values.get(study.control, {})
     out = {}
     for name, vals in values.items():
@@ -140,7 +139,8 @@ def plan_claims(study: Study) -> tuple[list[ClaimPlan], str]:
     for claim in nulls:
         tag = claim.metric or study.primary.tag
         metric = next(m for m in study.metrics if m.tag == tag)
-        sds = paired_sds(study, source, tag, metric.scale)
+        values = _source_values(study, source, tag, metric.scale)  # read once per claim, for the SD and the means
+        sds = paired_sds(study, values)
         if not sds:
             return [], f"no power plan: {source}'s committed runs have no paired seeds on {tag}"
         family = [c for c in nulls if (c.metric or study.primary.tag) == tag]
@@ -152,7 +152,7 @@ def plan_claims(study: Study) -> tuple[list[ClaimPlan], str]:
         power = tost_power(float(claim.margin), sd, planned, alpha) if sd > 0 and planned >= 2 else 0.0
         tasks = ""
         n_tasks = raw.get("eval_tasks")
-        means = _means(study, source, tag, claim.variant, metric.scale) if n_tasks else None
+        means = _means(study, values, claim.variant, metric.scale) if n_tasks else None
         if n_tasks and means is not None and sd > 0:
             tasks = task_bounds(float(claim.margin), sd, alpha, int(n_tasks), means, metric.scale)
         plans.append(ClaimPlan(claim.variant, claim.claim, float(claim.margin), sd, n_src, label, alpha, planned,

@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from glm_lightning.sweep.events import final_values, read_scalars
-from glm_lightning.sweep.fingerprint import combine, describe_changes, file_digest, git_revision
-from glm_lightning.sweep.fingerprint import _resolve as resolve_file
+from glm_lightning.sweep.fingerprint import combine, describe_changes, file_digest, git_revision, resolve_file
 from glm_lightning.sweep.study import REPO_ROOT, Study, StudyError
 
 DONE_FILE = "DONE.json"
