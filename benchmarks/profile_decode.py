@@ -1,14 +1,15 @@
 """ATen ops per decode step (flash-25m, 16 rows after a 64-token prompt), counted with torch.profiler: deterministic,
 so it is the number to compare across commits for cached generation, which is bound by dispatch overhead.
 
-    python -m benchmarks.profile_decode [--rows 16] [--by-frame] [--time]
+    python -m benchmarks.profile_decode [--rows 16] [--by-frame] [--time] [--precision bf16]
 
 `--by-frame` groups the ops by the innermost glm_lightning source frame (which code issues them). `--time` also times
 decode steps without the profiler (:func:`time_decode`): the median step, the part spent in the decode's few-row
 matmuls (the C++ ops that stream the weights of the decode's linears and experts: ``panel_matmul`` on the weights
 packed for the decode, else ``small_matmul``; timed around each call, so its time includes the call's own dispatch)
 and the weight bytes they read, so a step splits into weight streaming and everything else (the other ops, Python and
-dispatch).
+dispatch). `--precision bf16` profiles the decode of generation's bf16 sampling copy (its weights read as bf16
+panels).
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.profile_step import is_aten
-from glm_lightning.generation import decode_cache
+from glm_lightning.generation import decode_cache, sampling_weights
 from glm_lightning.model import GLMConfig, GLMModel
 
 
-def profile_decode(rows: int = 16, prompt_len: int = 64, by_frame: bool = False) -> tuple[int, collections.Counter]:
+def profile_decode(rows: int = 16, prompt_len: int = 64, by_frame: bool = False,
+                   precision: str = "32") -> tuple[int, collections.Counter]:
     """(ops of one decode step, ops per op name or per source frame) after a prefill and two untimed steps."""
     torch.manual_seed(0)
-    model = GLMModel(GLMConfig.preset("flash-25m")).eval()
+    model = sampling_weights(GLMModel(GLMConfig.preset("flash-25m")), precision).eval()
     prompt = torch.randint(0, 256, (1, prompt_len))
     tok = torch.randint(0, 256, (rows, 1))
     with torch.inference_mode():
@@ -45,7 +47,8 @@ def profile_decode(rows: int = 16, prompt_len: int = 64, by_frame: bool = False)
     return len(ops), collections.Counter(_frame(e) if by_frame else e.name for e in ops)
 
 
-def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: str = "flash-25m") -> dict[str, Any]:
+def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: str = "flash-25m",
+                precision: str = "32") -> dict[str, Any]:
     """Median seconds of a decode step of ``rows`` rows (after a prefill and two untimed steps), and per step: the
     seconds inside the decode's few-row matmul calls (``panel_matmul`` on packed weights, or ``small_matmul``), their
     number and the weight bytes they read (a padded expert with no row is not read). The C++ ops must be loaded for
@@ -53,7 +56,7 @@ def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: s
     from glm_lightning.model.ops import matmul, moe
 
     torch.manual_seed(0)
-    model = GLMModel(GLMConfig.preset(preset)).eval()
+    model = sampling_weights(GLMModel(GLMConfig.preset(preset)), precision).eval()
     prompt = torch.randint(0, model.cfg.vocab_size, (1, prompt_len))
     tok = torch.randint(0, model.cfg.vocab_size, (rows, 1))
     acc = {"s": 0.0, "calls": 0, "bytes": 0}
@@ -114,15 +117,16 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--by-frame", action="store_true")
     p.add_argument("--time", action="store_true", help="also time decode steps (no profiler): the matmuls' share")
+    p.add_argument("--precision", default="32", choices=("32", "bf16"), help="bf16: generation's bf16 sampling copy")
     args = p.parse_args()
-    n, counts = profile_decode(args.rows, by_frame=args.by_frame)
+    n, counts = profile_decode(args.rows, by_frame=args.by_frame, precision=args.precision)
     for name, c in counts.most_common(args.top):
         print(f"{c:>6}  {name}")
-    print(f"flash-25m, {args.rows} rows: {n} ATen ops per decode step")
+    print(f"flash-25m, {args.rows} rows, precision {args.precision}: {n} ATen ops per decode step")
     if args.time:
         from glm_lightning import machine
 
-        r = time_decode(args.rows)
+        r = time_decode(args.rows, precision=args.precision)
         rest = r["step_s"] - r["matmul_s"]
         print(f"{machine.describe()}: decode step {r['step_s'] * 1e3:.1f} ms (median), few-row matmuls "
               f"{r['matmul_s'] * 1e3:.1f} ms in {r['matmul_calls']:.0f} calls "

@@ -14,11 +14,10 @@ untouched. Sampling draws its noise for every original row at every step (the ex
 `torch.multinomial` runs internally, so the tokens are bit-identical to it), which makes the tokens independent of
 when, or whether, rows are dropped.
 
-`precision="bf16"` samples from a bf16 copy of the model's matrices (`sampling_weights`: refreshed whenever the
-model's parameters changed since, e.g. after every optimizer step of RL), with the DSA key/value cache in bf16 (half
-the bytes a decode step reads); vectors (norm scales, biases, gate offsets) stay fp32, and so does the KDA state.
-On a CPU without native bf16 its GEMMs are emulated (glm_lightning/model/ops/mixed_precision.py): bf16's numerics, not
-its speed.
+`precision="bf16"` samples from a copy of the model whose matrices are rounded to bf16 (`sampling_weights`:
+refreshed whenever the model's parameters changed since, e.g. after every optimizer step of RL): weight-only bf16.
+Activations, vectors (norm scales, biases, gate offsets), the caches and every op stay fp32; the decode steps read the
+matrices as bf16 panels (half the bytes a step streams; ops.matmul.packed, csrc/panel_matmul.cpp), on any CPU.
 """
 
 from __future__ import annotations
@@ -132,10 +131,19 @@ def _versions(model: torch.nn.Module) -> tuple[int, ...]:
     return tuple(p._version for p in model.parameters()) + tuple(id(p) for p in model.parameters())
 
 
+def _is_matrix(p: torch.Tensor) -> bool:
+    return p.dim() >= 2 and p.is_floating_point()
+
+
 def sampling_weights(model: torch.nn.Module, precision: str = "32") -> torch.nn.Module:
     """The model generation samples from: `model` itself for "32"; for "bf16" a copy whose matrices (parameters of
-    2 or more dims) are bf16 and whose vectors and buffers are fp32, kept per model and refreshed when a parameter
-    changed since the last call (an optimizer step bumps every updated parameter's version counter)."""
+    2 or more dims) hold their bf16-rounded values (stored as fp32) and whose vectors and buffers are `model`'s, kept
+    per model and refreshed when a parameter changed since the last call (an optimizer step bumps every updated
+    parameter's version counter).
+
+    Why fp32 storage: the copy computes in fp32 (activations, the fp32 C++ ops, no casts between ops) while its cached
+    decode packs the matrices as bf16 panels (`decode_weights`, ops.matmul.packed: half the bytes a step streams,
+    widened in registers, exact), so bf16 costs no dispatched op and only the weights are rounded."""
     if check_precision(precision) == "32":
         return model
     from glm_lightning import precision as bf16_support
@@ -146,14 +154,12 @@ def sampling_weights(model: torch.nn.Module, precision: str = "32") -> torch.nn.
     with torch.inference_mode(False), torch.no_grad():
         if held is None:
             clone = copy.deepcopy(model).requires_grad_(False)
-            for p in clone.parameters():
-                if p.dim() >= 2 and p.is_floating_point():
-                    p.data = p.data.to(torch.bfloat16)
+            clone.decode_weights = torch.bfloat16
             held = [None, clone]
             _sampling_copies[model] = held
         if held[0] != key:
             for src, dst in zip(model.parameters(), held[1].parameters()):
-                dst.copy_(src)
+                dst.copy_(src.to(torch.bfloat16) if _is_matrix(src) else src)
             for src, dst in zip(model.buffers(), held[1].buffers()):
                 dst.copy_(src)
             held[0] = key

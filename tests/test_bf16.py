@@ -233,17 +233,26 @@ def test_whole_model_forward_under_autocast_is_close_to_fp32():
 
 
 # --- generation from bf16 weights -----------------------------------------------------------------------------------
-def test_cached_generation_with_bf16_weights_equals_uncached():
-    """precision="bf16": the sampling copy holds bf16 matrices and fp32 vectors, the DSA cache is bf16, and cached greedy
-    decoding (left-padded prompts, the DSA layer past its top-k) gives the tokens of re-running the bf16 copy on the
-    whole prefix."""
+def test_cached_generation_with_bf16_weights_equals_uncached(monkeypatch):
+    """precision="bf16": the sampling copy's matrices hold bf16 values (fp32 storage), its vectors are the model's,
+    its caches fp32, its decode packs bf16 panels, and cached greedy decoding (left-padded prompts, the DSA layer past
+    its top-k) gives the tokens of re-running the copy on the whole prefix."""
+    from glm_lightning.model.ops import matmul, thresholds
+
+    monkeypatch.setattr(thresholds, "SMALL_ROWS", 32)  # the decode's linears on panels (AVX-512's table)
+    monkeypatch.setattr(thresholds, "SMALL_TOKENS", 64)
     model = _tiny()
     copy16 = sampling_weights(model, "bf16")
-    assert {p.dtype for p in copy16.parameters() if p.dim() >= 2} == {torch.bfloat16}
-    assert {p.dtype for p in copy16.parameters() if p.dim() < 2} == {torch.float32}
-    assert copy16.new_cache(1).layers[3].k.dtype == torch.bfloat16
+    for p, q in zip(model.parameters(), copy16.parameters()):
+        assert q.dtype == torch.float32
+        assert torch.equal(q, p.to(torch.bfloat16).float() if p.dim() >= 2 else p)
+    assert copy16.new_cache(1).packed.dtype == torch.bfloat16 and model.new_cache(1).packed.dtype == torch.float32
+    panels = []
+    real = matmul.panel_matmul
+    monkeypatch.setattr(matmul, "panel_matmul", lambda *a: panels.append(a[1].dtype) or real(*a))
     prompts = torch.randint(32, 127, (3, 14), generator=torch.Generator().manual_seed(1))
     cached = generate(model, prompts, max_new_tokens=24, eos_id=None, precision="bf16")
+    assert panels and set(panels) == {torch.bfloat16}
     assert torch.equal(cached.tokens, generate_naive(copy16, prompts, max_new_tokens=24, eos_id=None))
     assert sampling_weights(model, "bf16") is copy16  # kept while the weights are unchanged
 
@@ -256,7 +265,7 @@ def test_bf16_sampling_copy_follows_the_weights():
     with torch.no_grad():
         model.embed.weight.mul_(2.0)
     again = sampling_weights(model, "bf16")
-    assert torch.equal(again.embed.weight, model.embed.weight.to(torch.bfloat16))
+    assert torch.equal(again.embed.weight, model.embed.weight.to(torch.bfloat16).float())
     assert not torch.equal(again.embed.weight, before)
 
 

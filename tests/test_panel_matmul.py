@@ -46,6 +46,56 @@ def test_panel_matmul_equals_bmm_on_the_real_rows(shape):
         torch.ops.glm_lightning.panel_matmul(x, P, n_out + P.shape[-1])
 
 
+@pytest.mark.parametrize("shape", [(4, 5, 192, 768), (3, 16, 20, 7), (21, 20, 24, 17)])
+def test_bf16_panels_equal_fp32_panels_of_the_rounded_weights(shape):
+    """bf16 panels (half the bytes) widen to fp32 in registers: bit for bit the fp32 kernel on the bf16-rounded
+    weights (same products, same order), every row count and ragged edge, with and without counts and bias; within
+    1e-5 of an fp64 product of the rounded weights. panel_pack(W, bf16) rounds as torch does (nearest even), in the
+    same pass as the packing."""
+    E, M, n_in, n_out = shape
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(E, M, n_in, generator=gen)
+    W = torch.randn(E, n_out, n_in, generator=gen) * n_in ** -0.5
+    bias = torch.randn(E, n_out, generator=gen)
+    rounded = W.to(torch.bfloat16).float()
+    P16 = torch.ops.glm_lightning.panel_pack(W, torch.bfloat16)
+    P32 = torch.ops.glm_lightning.panel_pack(rounded)
+    assert P16.dtype == torch.bfloat16 and torch.equal(P16.float(), P32)
+    assert torch.equal(torch.ops.glm_lightning.panel_pack(W.to(torch.bfloat16)), P16)
+    assert torch.equal(torch.ops.glm_lightning.panel_pack(W.to(torch.bfloat16), torch.float32), P32)
+    counts = torch.randint(0, M + 1, (E,), generator=gen)
+    ref = torch.bmm(x.double(), rounded.double().transpose(1, 2))
+    for c in (None, counts):
+        for b in (None, bias):
+            y = torch.ops.glm_lightning.panel_matmul(x, P16, n_out, c, b)
+            assert torch.equal(y, torch.ops.glm_lightning.panel_matmul(x, P32, n_out, c, b))
+    torch.testing.assert_close(torch.ops.glm_lightning.panel_matmul(x, P16, n_out).double(), ref, rtol=1e-5,
+                               atol=1e-5)
+    one = torch.ops.glm_lightning.panel_matmul(x[1], torch.ops.glm_lightning.panel_pack(W[1], torch.bfloat16), n_out)
+    assert torch.equal(one, torch.ops.glm_lightning.panel_matmul(x[1], P32[1], n_out))
+    with pytest.raises(RuntimeError, match="x must be fp32"):
+        torch.ops.glm_lightning.panel_matmul(x.to(torch.bfloat16), P16, n_out)
+
+
+def test_linear_inside_a_bf16_decode_packs_bf16_panels(monkeypatch):
+    """A store of dtype bf16 (cache.PanelStore, a bf16 sampling copy's decode) packs the weight once as bf16 panels;
+    on a weight holding bf16 values the linear's output is bit for bit that of fp32 panels."""
+    from glm_lightning.model.cache import PanelStore
+
+    monkeypatch.setattr(thresholds, "SMALL_ROWS", 32)
+    gen = torch.Generator().manual_seed(5)
+    W = torch.randn(40, 24, generator=gen).to(torch.bfloat16).float()
+    b, x = torch.randn(40, generator=gen), torch.randn(3, 5, 24, generator=gen)
+    s16, s32 = PanelStore(torch.bfloat16), PanelStore()
+    with torch.no_grad():
+        with matmul.packed_weights(s16):
+            y16 = matmul.linear(x, W, b)
+        with matmul.packed_weights(s32):
+            y32 = matmul.linear(x, W, b)
+    assert s16[W].dtype == torch.bfloat16 and s32[W].dtype == torch.float32
+    assert torch.equal(y16, y32)
+
+
 def test_a_rows_output_does_not_depend_on_its_batch():
     """Every tile sums an output's products in the order k = 0, 1, ...: a row gives the same bits alone, in a batch of
     any size (other register tiles and ragged edges) and at any place in it."""

@@ -142,12 +142,22 @@ class DSACache:
 LayerCache = KDACache | DSACache
 
 
+class PanelStore(dict):
+    """weight -> its panel-packed copy for one generation's decode (ops.matmul.packed), and the dtype the panels hold:
+    fp32, or bf16 for a model whose matrices hold bf16 values (generation.sampling_weights' copy), whose decode then
+    streams half the bytes for the same products."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+
 @dataclass
 class ModelCache:
     layers: list[LayerCache] = field(default_factory=list)
     length: int = 0
     """Tokens (including left padding) already processed; the next token sits at position `length`."""
-    packed: dict[Tensor, Tensor] = field(default_factory=dict)
+    packed: PanelStore = field(default_factory=PanelStore)
     """The weights' panel-packed copies for this generation's few-row linears and experts (ops.matmul.packed_weights:
     packed on first use, shared by the caches derived from this one). They live with the cache, as KDACache's
     in_weights do: weights cannot change during one generation but may between generations."""

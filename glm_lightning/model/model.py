@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm_lightning.model.cache import DSACache, KDACache, LayerCache, ModelCache
+from glm_lightning.model.cache import DSACache, KDACache, LayerCache, ModelCache, PanelStore
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.dsa import SparseAttention
 from glm_lightning.model.kda import KDAttention
@@ -67,6 +67,10 @@ class Block(nn.Module):
 
 class GLMModel(nn.Module):
     """Byte-level GLM-5-style LM: tied embeddings, mHC streams, KDA/DSA hybrid, MoE."""
+
+    decode_weights: torch.dtype = torch.float32
+    """The dtype a cached decode packs the weights of its few-row matmuls in (ModelCache.packed): bf16 only on a model
+    whose matrices hold bf16 values (generation.sampling_weights' bf16 copy), else its decode would round them."""
 
     def __init__(self, cfg: GLMConfig) -> None:
         super().__init__()
@@ -163,7 +167,7 @@ class GLMModel(nn.Module):
         layers: list[LayerCache] = [
             KDACache.empty(batch, self.cfg, device) if kind == "L" else DSACache.empty(batch, self.cfg, device, dtype)
             for kind in self.cfg.layer_kinds]
-        return ModelCache(layers)
+        return ModelCache(layers, packed=PanelStore(self.decode_weights))
 
     # --- MoE balancing and logging ------------------------------------------------------------------------------
     def moe_layers(self) -> list[MoE]:

@@ -5,6 +5,7 @@
 
 #include "lanes.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -95,6 +96,15 @@ constexpr int64_t kRowBlock = 64;
 inline at::Tensor as_rows(const at::Tensor& t, int64_t R, int64_t width, const char* name) {
   TORCH_CHECK(t.numel() == R * width, name, " must hold ", R, " rows of ", width, ", got ", t.sizes());
   return t.reshape({R, width}).contiguous();
+}
+
+// Zeroes the padding rows m >= counts[e] of every matrix e of y [E, M, out] (the grouped few-row matmuls,
+// small_matmul.cpp and panel_matmul.cpp, compute only the real rows); checks that each count lies in [0, M].
+inline void zero_padding_rows(float* y, const int64_t* counts, int64_t E, int64_t M, int64_t out) {
+  for (int64_t e = 0; counts != nullptr && e < E; ++e) {
+    TORCH_CHECK(counts[e] >= 0 && counts[e] <= M, "counts must lie in [0, M]");
+    std::fill(y + (e * M + counts[e]) * out, y + (e + 1) * M * out, 0.f);
+  }
 }
 
 }  // namespace glm_lightning_ops

@@ -3,6 +3,7 @@
 // second.
 #pragma once
 
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -82,5 +83,19 @@ struct Lanes {
     }
   }
 };
+
+// kLanes bf16 values (their bits, as stored by a bf16 tensor) widened to fp32 lanes. A bf16 is the upper half of an
+// fp32, so each lane is zero-extended and shifted up by 16 bits: exact, two integer instructions per vector on any
+// target (the compiler picks them for the vector width; a scalar target gets the same shifts per lane).
+inline Lanes<float>::Vec load_bf16(const uint16_t* p) {
+  typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t Word __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  Half h;
+  std::memcpy(&h, p, sizeof(h));
+  const Word w = __builtin_convertvector(h, Word) << 16;
+  Lanes<float>::Vec v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
 
 }  // namespace glm_lightning_ops

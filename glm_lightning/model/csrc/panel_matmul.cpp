@@ -8,7 +8,7 @@
 // x[m, k] and multiplies it into a vector of L outputs. No horizontal sums, no shuffles; a tile of rows x panels stays
 // in registers over the whole `in` loop, and the next weights are prefetched.
 //
-//   panel_pack(W [out, in] or [E, out, in]) -> P [ceil(out / L), in, L] or [E, ceil(out / L), in, L]
+//   panel_pack(W [out, in] or [E, out, in]) -> P [ceil(out / L), in, L] or [E, ceil(out / L), in, L] (W's dtype)
 //   panel_matmul(x [..., in], P [panels, in, L], out, None, bias [out]) -> y [..., out]   (M rows: x's leading dims)
 //   panel_matmul(x [E, M, in], P [E, ...], out, counts [E] int64, bias [E, out]) -> y [E, M, out]
 //       y[e, m] = W[e] x[e, m] + bias[e] for m < counts[e]; 0 for the padding rows m >= counts[e]
@@ -16,6 +16,11 @@
 // Each output sums its `in` products in order k = 0, 1, ... (one fused multiply-add per k), whatever the other rows
 // or outputs are, so a token's output never depends on its batch. The order differs from BLAS's and small_matmul's
 // in the last bits (tests: within 1e-5 of torch.mm).
+//
+// P may be fp32 or bf16 (panel_pack keeps W's dtype); x, bias and y are fp32 either way. bf16 panels are half the
+// bytes a decode step streams: each panel row is widened to fp32 in registers (lanes.h: load_bf16, exact) and
+// multiplied as before, so the products and their order are those of the fp32 kernel on the bf16 values (tests:
+// bit for bit against fp32 panels of W.bfloat16().float()). One template over the stored type serves both.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,21 +50,27 @@ constexpr int kTileAcc = 12;
 // benchmarks/bench_panel_matmul.py, one build per setting, a loaded machine): a non-temporal hint (0) streamed at
 // about half the rate of a plain read; no prefetch, or 16 rows ahead, lost to BLAS at 16 rows (no prefetch: 1.5-2x
 // the time of 32-256 ahead); 32-256 ahead kept up with a plain read of the same bytes, within the load's noise.
-constexpr int64_t kAhead = 64;
+// (Counted in bytes, 64 rows of fp32 panels: 128 rows of bf16 ones.)
+constexpr int64_t kAheadBytes = 64 * kPanel * sizeof(float);
+
+// One panel row of L weights as fp32 lanes, from fp32 or from bf16 bits.
+inline PVec load_w(const float* p) { return glm_lightning_ops::Lanes<float>::load(p); }
+inline PVec load_w(const uint16_t* p) { return glm_lightning_ops::load_bf16(p); }
 
 // y[m0 .. m0+MB, panels p0 .. p0+V] for MB rows of x (row stride `in`) and V panels starting at P (panel stride
 // in * L); the MB x V accumulators stay in registers across k. Writes the first `cols` outputs of the last panel
 // (fewer than L at a matrix's ragged end), adding bias (nullable) at the panel's outputs.
-template <int MB, int V>
-inline void tile(const float* __restrict x, const float* __restrict P, float* __restrict y, int64_t in, int64_t out,
+template <int MB, int V, typename W>
+inline void tile(const float* __restrict x, const W* __restrict P, float* __restrict y, int64_t in, int64_t out,
                  int64_t last_cols, const float* bias, bool prefetch) {
+  constexpr int64_t kAhead = kAheadBytes / (kPanel * sizeof(W));
   PVec acc[MB][V];
   for (int i = 0; i < MB; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = PVec{};
   const int64_t stride = in * kPanel;
   for (int64_t k = 0; k < in; ++k) {
     PVec w[V];
-    for (int v = 0; v < V; ++v) w[v] = glm_lightning_ops::Lanes<float>::load(P + v * stride + k * kPanel);
+    for (int v = 0; v < V; ++v) w[v] = load_w(P + v * stride + k * kPanel);
     if (prefetch)
       for (int v = 0; v < V; ++v) __builtin_prefetch(P + v * stride + (k + kAhead) * kPanel, 0, 3);
     for (int i = 0; i < MB; ++i) {
@@ -93,11 +104,11 @@ inline void tile(const float* __restrict x, const float* __restrict P, float* __
 
 // tile<mb, V> for a run-time mb in [1, kTileAcc / V]: every row count gets its own register tile (a tile padded with
 // dummy rows, or one row at a time, would multiply the work or wait on one multiply-add chain per output).
-template <int V, int MB = 1>
-inline void tile_rows(int64_t mb, const float* x, const float* P, float* y, int64_t in, int64_t out, int64_t last_cols,
+template <int V, int MB = 1, typename W>
+inline void tile_rows(int64_t mb, const float* x, const W* P, float* y, int64_t in, int64_t out, int64_t last_cols,
                       const float* bias, bool prefetch) {
   if constexpr ((MB + 1) * V <= kTileAcc) {
-    if (mb > MB) return tile_rows<V, MB + 1>(mb, x, P, y, in, out, last_cols, bias, prefetch);
+    if (mb > MB) return tile_rows<V, MB + 1, W>(mb, x, P, y, in, out, last_cols, bias, prefetch);
   }
   tile<MB, V>(x, P, y, in, out, last_cols, bias, prefetch);
 }
@@ -107,8 +118,8 @@ inline void tile_rows(int64_t mb, const float* x, const float* P, float* y, int6
 // several panels streaming at once when there are few rows (one row and one panel would wait on one chain of
 // multiply-adds). The first row block streams the panels from memory (prefetching); the others find
 // them in cache. Panels left over at the end (fewer than V) run one at a time.
-template <int V>
-inline void tiles(const float* x, const float* P, float* y, int64_t rows, int64_t p_begin, int64_t p_end, int64_t in,
+template <int V, typename W>
+inline void tiles(const float* x, const W* P, float* y, int64_t rows, int64_t p_begin, int64_t p_end, int64_t in,
                   int64_t out, const float* bias) {
   for (int64_t p = p_begin; p < p_end;) {
     const int64_t v = std::min<int64_t>(V, p_end - p);
@@ -129,7 +140,8 @@ inline void tiles(const float* x, const float* P, float* y, int64_t rows, int64_
   }
 }
 
-inline void matrix(const float* x, const float* P, float* y, int64_t rows, int64_t p_begin, int64_t p_end, int64_t in,
+template <typename W>
+inline void matrix(const float* x, const W* P, float* y, int64_t rows, int64_t p_begin, int64_t p_end, int64_t in,
                    int64_t out, const float* bias) {
   if (rows > kTileAcc / 2) return tiles<1>(x, P, y, rows, p_begin, p_end, in, out, bias);
   if (rows > kTileAcc / 4) return tiles<2>(x, P, y, rows, p_begin, p_end, in, out, bias);
@@ -139,33 +151,68 @@ inline void matrix(const float* x, const float* P, float* y, int64_t rows, int64
 // Packing runs once per generation over every weight (flash-25m: 106 MB), so it is written as a blocked transpose:
 // 16 k at a time, the panel's 16 x 16 destination block stays in L1 while each weight row is read contiguously; only
 // a ragged last panel's missing outputs are zeroed. flash-25m's matrices, 1 thread, Intel Xeon, load 8: 67-82 ms
-// (at::zeros over the whole copy and one output at a time: 80-91 ms; a clone of the same bytes: 28-36 ms).
-at::Tensor panel_pack(const at::Tensor& W_in) {
-  TORCH_CHECK(W_in.dim() == 2 || W_in.dim() == 3, "expected W [out, in] or [E, out, in]");
-  TORCH_CHECK(W_in.scalar_type() == at::kFloat && W_in.device().is_cpu(), "fp32 CPU only");
-  const bool one = W_in.dim() == 2;
-  const at::Tensor W = W_in.contiguous();
-  const int64_t E = one ? 1 : W.size(0), out = W.size(-2), in = W.size(-1), panels = (out + kPanel - 1) / kPanel;
-  at::Tensor P = at::empty(one ? at::IntArrayRef{panels, in, kPanel} : at::IntArrayRef{E, panels, in, kPanel},
-                           W.options());
-  const float* wp = W.data_ptr<float>();
-  float* pp = P.data_ptr<float>();
+// (at::zeros over the whole copy and one output at a time: 80-91 ms; a clone of the same bytes: 28-36 ms). The panels
+// may take another dtype than W (fp32 -> bf16 rounds to nearest even, c10::BFloat16's rounding) in the same pass.
+template <typename S, typename D>
+void pack(const S* wp, D* pp, int64_t E, int64_t out, int64_t in, int64_t panels) {
   constexpr int64_t KB = 16;
   at::parallel_for(0, E * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t e = t / panels, p = t % panels, cols = std::min(kPanel, out - p * kPanel);
-      float* dst = pp + t * in * kPanel;
-      const float* src = wp + (e * out + p * kPanel) * in;
+      D* dst = pp + t * in * kPanel;
+      const S* src = wp + (e * out + p * kPanel) * in;
       for (int64_t k0 = 0; k0 < in; k0 += KB) {
         const int64_t k1 = std::min(in, k0 + KB);
         for (int64_t c = 0; c < cols; ++c)
-          for (int64_t k = k0; k < k1; ++k) dst[k * kPanel + c] = src[c * in + k];
+          for (int64_t k = k0; k < k1; ++k) dst[k * kPanel + c] = static_cast<D>(src[c * in + k]);
         for (int64_t k = k0; cols < kPanel && k < k1; ++k)
-          std::fill(dst + k * kPanel + cols, dst + (k + 1) * kPanel, 0.f);
+          std::fill(dst + k * kPanel + cols, dst + (k + 1) * kPanel, static_cast<D>(0.f));
       }
     }
   });
+}
+
+// fn(T{}) for the panels' element type: float, or at::BFloat16 (the kernel reads its bits as uint16_t).
+template <typename F>
+void with_type(at::ScalarType t, F&& fn) {
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "panels are fp32 or bf16, got ", t);
+  if (t == at::kFloat) return fn(float{});
+  return fn(at::BFloat16{});
+}
+
+at::Tensor panel_pack(const at::Tensor& W_in, std::optional<at::ScalarType> dtype) {
+  TORCH_CHECK(W_in.dim() == 2 || W_in.dim() == 3, "expected W [out, in] or [E, out, in]");
+  TORCH_CHECK(W_in.device().is_cpu(), "CPU only");
+  const bool one = W_in.dim() == 2;
+  const at::Tensor W = W_in.contiguous();
+  const int64_t E = one ? 1 : W.size(0), out = W.size(-2), in = W.size(-1), panels = (out + kPanel - 1) / kPanel;
+  at::Tensor P = at::empty(one ? at::IntArrayRef{panels, in, kPanel} : at::IntArrayRef{E, panels, in, kPanel},
+                           W.options().dtype(dtype.value_or(W.scalar_type())));
+  with_type(W.scalar_type(), [&](auto s) {
+    with_type(P.scalar_type(), [&](auto d) {
+      using S = decltype(s);
+      using D = decltype(d);
+      pack(W.data_ptr<S>(), P.data_ptr<D>(), E, out, in, panels);
+    });
+  });
   return P;
+}
+
+// The matrices' tasks: CHUNK panels of one matrix each, against its real rows.
+template <typename W>
+void run_tasks(const float* xp, const W* pp, float* yp, const float* bp, const int64_t* cp, int64_t E, int64_t M,
+               int64_t in, int64_t out, int64_t panels) {
+  constexpr int64_t CHUNK = 4;  // panels per task (64 outputs at 16 lanes; a [192, in] linear: 3 tasks)
+  const int64_t per_e = (panels + CHUNK - 1) / CHUNK;
+  at::parallel_for(0, E * per_e, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t e = task / per_e, p_begin = (task % per_e) * CHUNK, p_end = std::min(panels, p_begin + CHUNK);
+      const int64_t rows = cp == nullptr ? M : cp[e];
+      if (rows == 0) continue;
+      matrix(xp + e * M * in, pp + e * panels * in * kPanel, yp + e * M * out, rows, p_begin, p_end, in, out,
+             bp == nullptr ? nullptr : bp + e * out);
+    }
+  });
 }
 
 // A view's own contiguity: `contiguous()` is free when it already is (no dispatch), and the sizes are read from the
@@ -175,7 +222,8 @@ at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& P_in, int64_t 
   const bool one = P_in.dim() == 3;
   TORCH_CHECK((one && x_in.dim() >= 1) || (x_in.dim() == 3 && P_in.dim() == 4 && x_in.size(0) == P_in.size(0)),
               "expected x [..., in] and P [panels, in, L], or x [E, M, in] and P [E, panels, in, L]");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && P_in.scalar_type() == at::kFloat, "fp32 only");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat, "x must be fp32");
+  TORCH_CHECK(P_in.scalar_type() == at::kFloat || P_in.scalar_type() == at::kBFloat16, "P must be fp32 or bf16");
   TORCH_CHECK(x_in.device().is_cpu() && P_in.device().is_cpu(), "CPU only");
   const at::Tensor x = x_in.contiguous(), P = P_in.contiguous();
   const int64_t in = x.size(-1), E = one ? 1 : x.size(0), M = one ? x.numel() / std::max<int64_t>(in, 1) : x.size(1),
@@ -197,32 +245,22 @@ at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& P_in, int64_t 
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
   at::Tensor y = at::empty(shape, x.options());
-  const float *xp = x.data_ptr<float>(), *pp = P.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int64_t* cp = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
   float* yp = y.data_ptr<float>();
-  for (int64_t e = 0; cp != nullptr && e < E; ++e) {
-    TORCH_CHECK(cp[e] >= 0 && cp[e] <= M, "counts must lie in [0, M]");
-    std::fill(yp + (e * M + cp[e]) * out, yp + (e + 1) * M * out, 0.f);  // padding rows
-  }
-  constexpr int64_t CHUNK = 4;  // panels per task (64 outputs at 16 lanes; a [192, in] linear: 3 tasks)
-  const int64_t per_e = (panels + CHUNK - 1) / CHUNK;
-  at::parallel_for(0, E * per_e, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t e = task / per_e, p_begin = (task % per_e) * CHUNK, p_end = std::min(panels, p_begin + CHUNK);
-      const int64_t rows = cp == nullptr ? M : cp[e];
-      if (rows == 0) continue;
-      matrix(xp + e * M * in, pp + e * panels * in * kPanel, yp + e * M * out, rows, p_begin, p_end, in, out,
-             bp == nullptr ? nullptr : bp + e * out);
-    }
-  });
+  glm_lightning_ops::zero_padding_rows(yp, cp, E, M, out);
+  if (P.scalar_type() == at::kFloat)
+    run_tasks(x.data_ptr<float>(), P.data_ptr<float>(), yp, bp, cp, E, M, in, out, panels);
+  else  // bf16 panels: their bits, widened in the kernel
+    run_tasks(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(P.data_ptr<at::BFloat16>()), yp, bp, cp, E, M,
+              in, out, panels);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
-  m.def("panel_pack(Tensor W) -> Tensor");
+  m.def("panel_pack(Tensor W, ScalarType? dtype=None) -> Tensor");
   m.def("panel_matmul(Tensor x, Tensor P, int out, Tensor? counts=None, Tensor? bias=None) -> Tensor");
 }
 

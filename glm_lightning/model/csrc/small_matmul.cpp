@@ -124,10 +124,7 @@ at::Tensor small_matmul(const at::Tensor& x_in, const at::Tensor& W_in, const st
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int64_t* cp = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
   float* yp = y.data_ptr<float>();
-  for (int64_t e = 0; cp != nullptr && e < E; ++e) {
-    TORCH_CHECK(cp[e] >= 0 && cp[e] <= M, "counts must lie in [0, M]");
-    std::fill(yp + (e * M + cp[e]) * out, yp + (e + 1) * M * out, 0.f);  // padding rows
-  }
+  glm_lightning_ops::zero_padding_rows(yp, cp, E, M, out);
   constexpr int64_t CHUNK = 32;  // weight rows per task (a multiple of 4; a [192, in] linear: 6 tasks for 2 threads)
   const int64_t per_e = (out + CHUNK - 1) / CHUNK;
   at::parallel_for(0, E * per_e, 1, [&](int64_t begin, int64_t end) {

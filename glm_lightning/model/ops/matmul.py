@@ -82,13 +82,14 @@ def packed_weights(store: dict[Tensor, Tensor] | None) -> Iterator[None]:
 
 def packed(weight: Tensor) -> Tensor | None:
     """weight [out, in] (or [E, out, in]) packed into output panels for :func:`panel_matmul`, packed on first use
-    within the decode in progress; None outside one."""
+    within the decode in progress, in the store's ``dtype`` (cache.PanelStore: fp32 or bf16; a plain dict: the
+    weight's); None outside one."""
     if _packs is None:
         return None
     p = _packs.get(weight)
     if p is None:
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
-            p = _packs[weight] = torch.ops.glm_lightning.panel_pack(weight)
+            p = _packs[weight] = torch.ops.glm_lightning.panel_pack(weight, getattr(_packs, "dtype", None))
     return p
 
 
