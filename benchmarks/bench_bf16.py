@@ -1,6 +1,7 @@
 """fp32 against bf16 in one run: the matmul peaks (fp32, torch's native bf16 kernel, the emulated bf16 GEMM), training
 throughput of flash-25m (fwd + bwd + AdamW) in fp32 and bf16-mixed, and cached generation (16 samples x 48 tokens)
-from fp32 and from bf16 weights. Whether this CPU has native bf16 is printed first (glm_lightning/precision.py).
+from fp32 and from bf16 weights (``--generation``: those rows alone, taking turns). Whether this CPU has native bf16
+is printed first (glm_lightning/precision.py).
 
 bf16 has two kernels here (glm_lightning/model/ops/mixed_precision.py): ``native`` (torch's bf16 kernels: fast on a
 CPU with avx512_bf16 / amx_bf16, a slow reference loop elsewhere) and ``emulated`` (fp32 GEMMs on bf16-rounded
@@ -9,7 +10,7 @@ native bf16 at a smaller batch (``native_batch``, its own fp32 row beside it), b
 full-size step takes minutes; on a CPU with native bf16 (avx512_bf16 or AMX) native bf16 runs at the full size. Every comparison takes turns (an untimed run, then a timed one, per turn; the median),
 so that load changes on a shared machine hit each row alike. MFU: bf16 rows against the bf16 peak measured here, fp32 rows against the fp32 peak.
 
-    python -m benchmarks.bench_bf16 [--quick]
+    python -m benchmarks.bench_bf16 [--quick] [--generation [--rounds 5]]
 """
 
 from __future__ import annotations
@@ -74,18 +75,29 @@ def _median_in_turns(steps: dict[str, Callable[[], float]], rounds: int) -> dict
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
-def _generation(model: GLMModel, mode: str, samples: int, new_tokens: int) -> Callable[[], float]:
-    """A function that runs one cached generation (a 64-token prompt, ``samples`` x ``new_tokens``) from the fp32
-    weights (mode ``fp32``) or from the bf16 copy with the given bf16 GEMM kernel, and returns its seconds."""
+def _generation(model: GLMModel, precision_: str, samples: int, new_tokens: int) -> Callable[[], float]:
+    """A function that runs one cached generation (a 64-token prompt, ``samples`` x ``new_tokens``) at ``precision``
+    "32" (the fp32 weights) or "bf16" (generation.sampling_weights' copy: fp32 compute, its decode reading bf16
+    panels; no bf16 GEMM, so the bf16 GEMM kernel does not matter) and returns its CPU seconds (process time: the
+    machine may be shared; 1 thread)."""
     prompt = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(0))
 
     def run() -> float:
-        with nullcontext() if mode == "fp32" else mp.bf16_gemm(mode):
-            t = time.perf_counter()
-            generate(model, prompt, max_new_tokens=new_tokens, num_samples=samples, temperature=1.0, eos_id=None,
-                     generator=torch.Generator().manual_seed(0), precision="32" if mode == "fp32" else "bf16")
-            return time.perf_counter() - t
+        t = time.process_time()
+        generate(model, prompt, max_new_tokens=new_tokens, num_samples=samples, temperature=1.0, eos_id=None,
+                 generator=torch.Generator().manual_seed(0), precision=precision_)
+        return time.process_time() - t
     return run
+
+
+def generation(model: GLMModel, samples: int = 16, new_tokens: int = 48, rounds: int = 3) -> dict[str, Any]:
+    """Cached generation from the fp32 weights and from the bf16 copy, taking turns: tokens/s of each and the ratio."""
+    model.eval()
+    gen = _median_in_turns({name: _generation(model, p, samples, new_tokens) for name, p in (("fp32", "32"),
+                                                                                             ("bf16", "bf16"))},
+                           rounds)
+    return {"generation": {name: {"s": s, "tokens_per_s": samples * new_tokens / s} for name, s in gen.items()},
+            "generation_bf16_over_fp32": gen["fp32"] / gen["bf16"]}
 
 
 def run(quick: bool = False, batch: int = 32, seq: int = 128, native_batch: int = 2, samples: int = 16,
@@ -124,12 +136,7 @@ def run(quick: bool = False, batch: int = 32, seq: int = 128, native_batch: int 
     res["train"] = train
     res["train_emulated_over_fp32"] = secs["fp32"] / secs["emulated"]
     res["train_native_over_fp32"] = secs_small["fp32"] / secs_small["native"]
-    model.eval()
-    gen = _median_in_turns({mode: _generation(model, mode, samples, new_tokens)
-                            for mode in ("fp32", "emulated", "native")}, 1 if quick else 3)
-    res["generation"] = {mode: {"s": s, "tokens_per_s": samples * new_tokens / s} for mode, s in gen.items()}
-    res["generation_emulated_over_fp32"] = gen["fp32"] / gen["emulated"]
-    res["generation_native_over_fp32"] = gen["fp32"] / gen["native"]
+    res.update(generation(model, samples, new_tokens, 1 if quick else 3))
     res["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"GEMM peaks ({res['machine']}): fp32 {peaks['fp32']:.1f}, bf16 native {peaks['native']:.1f}, "
           f"bf16 emulated {peaks['emulated']:.1f} GFLOP/s")
@@ -138,12 +145,27 @@ def run(quick: bool = False, batch: int = 32, seq: int = 128, native_batch: int 
         print(f"{name:<28}{r['s_per_step']:>9.2f}{r['tokens_per_s']:>10.0f}{r['mfu']:>8.1%}")
     print(f"bf16 / fp32 training throughput: emulated {res['train_emulated_over_fp32']:.2f}x ({batch}x{seq}), "
           f"native {res['train_native_over_fp32']:.2f}x ({native_batch}x{seq})")
-    print(f"generation {samples} x {new_tokens} cached: " + ", ".join(
-        f"{m} {r['tokens_per_s']:.0f} tok/s" for m, r in res["generation"].items()))
+    _print_generation(res, samples, new_tokens)
     return res
+
+
+def _print_generation(res: dict[str, Any], samples: int, new_tokens: int) -> None:
+    print(f"generation {samples} x {new_tokens} cached (CPU time): " + ", ".join(
+        f"{m} {r['tokens_per_s']:.0f} tok/s" for m, r in res["generation"].items())
+        + f"; bf16 / fp32 {res['generation_bf16_over_fp32']:.2f}x")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
-    run(p.parse_args().quick)
+    p.add_argument("--generation", action="store_true", help="only the cached generation rows (fp32 and bf16)")
+    p.add_argument("--rounds", type=int, default=5, help="turns of the generation rows with --generation")
+    args = p.parse_args()
+    if args.generation:
+        from glm_lightning import machine
+
+        print(f"{machine.describe()}")
+        torch.manual_seed(0)
+        _print_generation(generation(GLMModel(GLMConfig.preset("flash-25m")), rounds=args.rounds), 16, 48)
+    else:
+        run(args.quick)

@@ -149,13 +149,15 @@ class _Watch(pl.Callback):
 
 
 def _spy_cpp_ops(monkeypatch) -> list[str]:
-    """Record every floating input dtype other than fp32 that reaches a C++ op (each op wrapped in place)."""
+    """Record every floating input dtype other than fp32 that reaches a C++ op (each op wrapped in place), but for
+    panel_matmul's packed weights: bf16 panels are the bf16 sampling copy's decode weights (widened in the kernel)."""
     bad: list[str] = []
     for name in CPP_OPS:
         real = getattr(torch.ops.glm_lightning, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
-            bad.extend(f"{_name}: {a.dtype}" for a in (*args, *kwargs.values())
+            inputs = [a for i, a in enumerate((*args, *kwargs.values())) if not (_name == "panel_matmul" and i == 1)]
+            bad.extend(f"{_name}: {a.dtype}" for a in inputs
                        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float32)
             return _real(*args, **kwargs)
 

@@ -2,8 +2,9 @@
 4 with SSE or NEON), so every helper and kernel must work at each width. This AVX-512-or-not x86 machine can run the
 narrower x86 targets' code:
 
-- the lane helpers (sum, sums16) at every width, bit for bit against a scalar tree in the same order: a tiny program
-  including lanes.h, compiled and run per target (~1 s each; for aarch64, compiled only where a cross compiler is);
+- the lane helpers (sum, sums16; load_bf16 against the scalar shift) at every width, bit for bit against a scalar
+  tree in the same order: a tiny program including lanes.h, compiled and run per target (~1 s each; for aarch64,
+  compiled only where a cross compiler is);
 - every op of the library built for AVX2 (-march=haswell) and for SSE only (-march=x86-64-v2) against its PyTorch form
   (the op test files of OP_TESTS, run in a process that loads that library). Such a build takes minutes of g++
   (haswell here: 249 s of wall time, 145 s of g++ CPU, on the loaded 2-core machine), too slow for the suite: the
@@ -68,8 +69,23 @@ template <typename T> int check() {
   }
   return bad;
 }
+int check_bf16() {  // load_bf16: each lane the fp32 whose upper half is the bf16's bits (any bits: signs, inf, nan)
+  std::mt19937 rng(2);
+  int bad = 0;
+  for (int rep = 0; rep < 200; ++rep) {
+    uint16_t raw[kLanes];
+    float got[kLanes];
+    for (auto& b : raw) b = uint16_t(rng());
+    Lanes<float>::store(got, load_bf16(raw));
+    for (int i = 0; i < kLanes; ++i) {
+      const uint32_t want = uint32_t(raw[i]) << 16;
+      bad += std::memcmp(&want, &got[i], sizeof want) != 0;
+    }
+  }
+  return bad;
+}
 int main() {
-  std::printf("%d %d %d\n", kLanes, check<float>(), check<double>());
+  std::printf("%d %d %d\n", kLanes, check<float>() + check_bf16(), check<double>());
   return 0;
 }
 """.replace("LANES_H", str(LANES_H))

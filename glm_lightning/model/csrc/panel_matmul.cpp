@@ -45,13 +45,15 @@ constexpr int kTileAcc = 16;
 constexpr int kTileAcc = 12;
 #endif
 
-// How far ahead (in rows k of a panel: 64 rows, 4 KB at 16 lanes) the kernel prefetches each panel it streams, into
-// all cache levels. Measured on an Intel Xeon (AVX-512, 1 thread, weights cycled cold as in
-// benchmarks/bench_panel_matmul.py, one build per setting, a loaded machine): a non-temporal hint (0) streamed at
-// about half the rate of a plain read; no prefetch, or 16 rows ahead, lost to BLAS at 16 rows (no prefetch: 1.5-2x
-// the time of 32-256 ahead); 32-256 ahead kept up with a plain read of the same bytes, within the load's noise.
-// (Counted in bytes, 64 rows of fp32 panels: 128 rows of bf16 ones.)
-constexpr int64_t kAheadBytes = 64 * kPanel * sizeof(float);
+// What the kernel prefetches: while a tile streams its V panels (V * in * L contiguous weights), the next V panels,
+// row k of each at step k, into all cache levels: the next tile's, task's or matrix's weights (P is contiguous over
+// panels and matrices), one tile's bytes ahead. A fixed distance within each panel (64 rows, 4 KB of fp32) did as
+// well for fp32 but not for bf16 panels, whose 192-384 rows at flash-25m are 6-12 KB: the first rows of every panel
+// waited on memory. Measured on an Intel Xeon (AVX-512, 1 thread, flash-25m's expert shapes at 32 assignments over 8
+// experts, 48 layers' weights cycled cold, process time, median of 7, the two forms in turns, one build switching
+// them at run time): bf16 experts 26.9-27.5 -> 21.4-22.0 ms (6.2 -> 7.9 GB/s), fp32 36.4-38.0 -> 36.9-38.2 ms, 16-row
+// dense linears unchanged (FMA bound). Earlier (one build per setting): a non-temporal hint streamed at about half a
+// plain read's rate, and no prefetch took 1.5-2x the time.
 
 // One panel row of L weights as fp32 lanes, from fp32 or from bf16 bits.
 inline PVec load_w(const float* p) { return glm_lightning_ops::Lanes<float>::load(p); }
@@ -63,7 +65,6 @@ inline PVec load_w(const uint16_t* p) { return glm_lightning_ops::load_bf16(p); 
 template <int MB, int V, typename W>
 inline void tile(const float* __restrict x, const W* __restrict P, float* __restrict y, int64_t in, int64_t out,
                  int64_t last_cols, const float* bias, bool prefetch) {
-  constexpr int64_t kAhead = kAheadBytes / (kPanel * sizeof(W));
   PVec acc[MB][V];
   for (int i = 0; i < MB; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = PVec{};
@@ -71,8 +72,8 @@ inline void tile(const float* __restrict x, const W* __restrict P, float* __rest
   for (int64_t k = 0; k < in; ++k) {
     PVec w[V];
     for (int v = 0; v < V; ++v) w[v] = load_w(P + v * stride + k * kPanel);
-    if (prefetch)
-      for (int v = 0; v < V; ++v) __builtin_prefetch(P + v * stride + (k + kAhead) * kPanel, 0, 3);
+    if (prefetch)  // the next V panels (contiguous after these: the next tile's, task's or matrix's), row for row
+      for (int v = 0; v < V; ++v) __builtin_prefetch(P + (V + v) * stride + k * kPanel, 0, 3);
     for (int i = 0; i < MB; ++i) {
       const float xi = x[i * in + k];
       for (int v = 0; v < V; ++v) acc[i][v] += xi * w[v];
