@@ -146,10 +146,7 @@ def sampling_weights(model: torch.nn.Module, precision: str = "32") -> torch.nn.
     widened in registers, exact), so bf16 costs no dispatched op and only the weights are rounded."""
     if check_precision(precision) == "32":
         return model
-    from glm_lightning import precision as bf16_support
-
-    bf16_support.log_start("bf16", "generation")  # once: the start-up line, and the warning where bf16 is emulated
-    key = _versions(model)
+    key = _versions(model)  # (no bf16 GEMM runs: nothing is emulated on a CPU without native bf16, nothing to warn)
     held = _sampling_copies.get(model)
     with torch.inference_mode(False), torch.no_grad():
         if held is None:

@@ -32,7 +32,7 @@ TARGETS = {"native": None, "haswell": {"avx2", "fma"}, "x86-64-v2": {"sse4_2", "
 """-march targets this machine can run: None (its own) or the CPU flags the target needs."""
 WIDTH = {"haswell": 8, "x86-64-v2": 4}
 OP_TESTS = ("tests/test_ops.py", "tests/test_linear.py", "tests/test_dsa.py", "tests/test_mhc_cpp.py", "tests/test_moe.py",
-            "tests/test_norm.py", "tests/test_kda.py")
+            "tests/test_norm.py", "tests/test_kda.py", "tests/test_panel_matmul.py")
 """The ops against their PyTorch and reference forms (~30 s with the library built)."""
 
 CHECK = r"""

@@ -8,7 +8,8 @@
 // x[m, k] and multiplies it into a vector of L outputs. No horizontal sums, no shuffles; a tile of rows x panels stays
 // in registers over the whole `in` loop, and the next weights are prefetched.
 //
-//   panel_pack(W [out, in] or [E, out, in]) -> P [ceil(out / L), in, L] or [E, ceil(out / L), in, L] (W's dtype)
+//   panel_pack(W [out, in] or [E, out, in], dtype) -> P [ceil(out / L), in, L] or [E, ceil(out / L), in, L]
+//       (P in dtype: fp32 or bf16; None: W's)
 //   panel_matmul(x [..., in], P [panels, in, L], out, None, bias [out]) -> y [..., out]   (M rows: x's leading dims)
 //   panel_matmul(x [E, M, in], P [E, ...], out, counts [E] int64, bias [E, out]) -> y [E, M, out]
 //       y[e, m] = W[e] x[e, m] + bias[e] for m < counts[e]; 0 for the padding rows m >= counts[e]
@@ -17,7 +18,7 @@
 // or outputs are, so a token's output never depends on its batch. The order differs from BLAS's and small_matmul's
 // in the last bits (tests: within 1e-5 of torch.mm).
 //
-// P may be fp32 or bf16 (panel_pack keeps W's dtype); x, bias and y are fp32 either way. bf16 panels are half the
+// P may be fp32 or bf16 (panel_pack's dtype); x, bias and y are fp32 either way. bf16 panels are half the
 // bytes a decode step streams: each panel row is widened to fp32 in registers (lanes.h: load_bf16, exact) and
 // multiplied as before, so the products and their order are those of the fp32 kernel on the bf16 values (tests:
 // bit for bit against fp32 panels of W.bfloat16().float()). One template over the stored type serves both.
