@@ -130,6 +130,17 @@ def stream_write(res: Tensor, x: Tensor, post: Tensor, y: Tensor) -> Tensor:
     return stream_write_reference(res, x, post, y)
 
 
+def _site_read_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor, gate_scale: Tensor,
+                       gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:class:`_SiteReadCpp`'s forward without autograd (decoding) for x [..., n, C]: site read and Sinkhorn as one op
+    (``site_read_decode``: the same values, no node, nothing saved, only the three outputs made, already shaped)."""
+    dt = x.dtype
+    alpha, bias, gate_scale, gate_shift = (t if t.dtype == dt else t.to(dt) for t in (alpha, bias, gate_scale,
+                                                                                       gate_shift))
+    return torch.ops.glm_lightning.site_read_decode(x if x.is_contiguous() else x.contiguous(), phi, alpha,
+                                                     alpha_index, bias, gate_scale, gate_shift, norm_eps, iters, eps)
+
+
 class _SiteReadCpp(torch.autograd.Function):
     """The read half of a site on the C++ ops: streams x [N, n, C] -> (h [N, C], H_post [N, n], H_res [N, n, n]).
 
@@ -163,16 +174,6 @@ class _SiteReadCpp(torch.autograd.Function):
         return dx, dphi, dalpha, dbias, None, None, None, None, None, None
 
 
-def _site_read_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor, gate_scale: Tensor,
-                       gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """:class:`_SiteReadCpp`'s forward without autograd (decoding): the same two ops, no node, nothing saved."""
-    n = x.shape[1]
-    h, gates, res_logits, *_ = torch.ops.glm_lightning.site_read(
-        x if x.is_contiguous() else x.contiguous(), phi, alpha.index_select(0, alpha_index), bias, gate_scale,
-        gate_shift, norm_eps)
-    return h, gates[:, n:], torch.ops.glm_lightning.sinkhorn(res_logits, iters, eps)[0]
-
-
 @mp.fp32_op
 def site_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor, gate_scale: Tensor,
               gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -180,9 +181,10 @@ def site_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: 
     H_res [..., n, n]) in x's dtype; the parameters as :class:`glm_lightning.model.mhc.HyperConnection` holds them."""
     lead, (n, C) = x.shape[:-2], x.shape[-2:]
     if n <= thresholds.SITE_READ_MAX_STREAMS and backend.takes(x, phi, op="site_read"):
-        site = (_SiteReadCpp.apply if backend.needs_grad(x, phi, alpha, bias) else _site_read_no_grad)
-        h, post, res = site(x.reshape(-1, n, C), phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters,
-                            eps)
+        if not backend.needs_grad(x, phi, alpha, bias):  # decoding: one op, shaped outputs, no node
+            return _site_read_no_grad(x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps)
+        h, post, res = _SiteReadCpp.apply(x.reshape(-1, n, C), phi, alpha, bias, alpha_index, gate_scale, gate_shift,
+                                          norm_eps, iters, eps)
         return h.view(*lead, C), post.view(*lead, n), res.view(*lead, n, n)
     pre, post, res = (m if m.dtype == x.dtype else m.to(x.dtype) for m in site_mappings(
         x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps, sinkhorn))

@@ -1,0 +1,106 @@
+"""A cached decode step with each of its decode-only forms against the form it replaced, taking turns in one process.
+
+flash-25m, 16 rows after a 64-token prompt, one thread. Each round derives fresh caches from the prefill's (same
+length, the packed weights shared) and times one decode step per form, the order alternating between rounds, so that
+load changes on a shared machine hit every form alike. Reported per form: the median CPU ms of a step (process time:
+on a machine shared with processes of the same priority, wall time also counts what the scheduler gave to others), its
+ratio to the current code and the ATen ops of a step (torch.profiler, deterministic).
+
+The earlier forms are kept here only, as patches of the current code:
+
+- ``site read: 2 ops``: the decode's site read as site_read + sinkhorn with the expansion of alpha, slices and views
+  in Python (the training form's two ops), instead of the one op ``site_read_decode``.
+
+    python -m benchmarks.bench_decode_forms [--rounds 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.profile_step import is_aten
+from glm_lightning.generation import decode_cache
+from glm_lightning.model import GLMConfig, GLMModel
+from glm_lightning.model.ops import mhc as mhc_ops
+
+
+def _site_read_two_ops(x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps):
+    """The decode's site read before site_read_decode: the autograd form's two ops, called without autograd."""
+    lead, (n, C) = x.shape[:-2], x.shape[-2:]
+    h, gates, res_logits, *_ = torch.ops.glm_lightning.site_read(
+        x.reshape(-1, n, C), phi, alpha.index_select(0, alpha_index), bias, gate_scale, gate_shift, norm_eps)
+    res = torch.ops.glm_lightning.sinkhorn(res_logits, iters, eps)[0]
+    return h.view(*lead, C), gates[:, n:].view(*lead, n), res.view(*lead, n, n)
+
+
+@contextlib.contextmanager
+def _patched(module: object, name: str, value: object) -> Iterator[None]:
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, before)
+
+
+FORMS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "current": contextlib.nullcontext,
+    "site read: 2 ops": lambda: _patched(mhc_ops, "_site_read_no_grad", _site_read_two_ops),
+}
+
+
+def run(rounds: int, rows: int = 16, prompt_len: int = 64) -> dict[str, dict[str, float]]:
+    """{form: {"ms": median CPU ms of a step, "ops": ATen ops of a step}}."""
+    torch.manual_seed(0)
+    model = GLMModel(GLMConfig.preset("flash-25m")).eval()
+    prompt = torch.randint(0, 256, (1, prompt_len))
+    tok = torch.randint(0, 256, (rows, 1))
+    times: dict[str, list[float]] = {name: [] for name in FORMS}
+    ops: dict[str, int] = {}
+    with torch.inference_mode():
+        base = decode_cache(model, 1, prompt_len + 8)
+        model(prompt, valid=torch.ones_like(prompt, dtype=torch.bool), cache=base)
+        for _ in range(2):  # pack the weights, warm every form
+            for form in FORMS.values():
+                with form():
+                    model(tok, cache=base.repeat_interleave(rows))
+        for name, form in FORMS.items():
+            cache = base.repeat_interleave(rows)
+            with form(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                model(tok, cache=cache)
+            ops[name] = sum(1 for e in prof.events() if is_aten(e.name))
+        names = list(FORMS)
+        for r in range(rounds):
+            for name in names if r % 2 == 0 else names[::-1]:
+                cache = base.repeat_interleave(rows)
+                with FORMS[name]():
+                    t = time.process_time()
+                    model(tok, cache=cache)
+                    times[name].append(time.process_time() - t)
+    return {name: {"ms": statistics.median(times[name]) * 1e3, "ops": ops[name]} for name in FORMS}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=30)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    from glm_lightning import machine
+
+    res = run(args.rounds)
+    cur = res["current"]["ms"]
+    print(f"{machine.describe()}: flash-25m decode step, 16 rows, median CPU ms over {args.rounds} alternated rounds")
+    print(f"{'form':<28}{'ms':>8}{'x current':>11}{'ATen ops':>10}")
+    for name, r in res.items():
+        print(f"{name:<28}{r['ms']:>8.2f}{r['ms'] / cur:>10.2f}x{r['ops']:>10}")
+
+
+if __name__ == "__main__":
+    main()
