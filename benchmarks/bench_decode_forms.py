@@ -10,6 +10,8 @@ The earlier forms are kept here only, as patches of the current code:
 
 - ``site read: 2 ops``: the decode's site read as site_read + sinkhorn with the expansion of alpha, slices and views
   in Python (the training form's two ops), instead of the one op ``site_read_decode``.
+- ``ops' entries per call``: every op through its general entry (autocast, dtype, library, op table and grad asked
+  per call), instead of the decode step's direct C++ calls decided once per step (ops/decode.py).
 
     python -m benchmarks.bench_decode_forms [--rounds 30]
 """
@@ -28,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.profile_step import is_aten
 from glm_lightning.generation import decode_cache
 from glm_lightning.model import GLMConfig, GLMModel
-from glm_lightning.model.ops import mhc as mhc_ops
+from glm_lightning.model.ops import decode, mhc as mhc_ops
 
 
 def _site_read_two_ops(x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps):
@@ -50,9 +52,19 @@ def _patched(module: object, name: str, value: object) -> Iterator[None]:
         setattr(module, name, before)
 
 
+@contextlib.contextmanager
+def _both(*patches: contextlib.AbstractContextManager) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
+
+
 FORMS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "current": contextlib.nullcontext,
-    "site read: 2 ops": lambda: _patched(mhc_ops, "_site_read_no_grad", _site_read_two_ops),
+    "site read: 2 ops": lambda: _both(_patched(mhc_ops, "_site_read_no_grad", _site_read_two_ops),
+                                      _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "site_read"))),
+    "ops' entries per call": lambda: _patched(decode, "OPS", ()),
 }
 
 
