@@ -13,6 +13,8 @@ The earlier forms are kept here only, as patches of the current code:
   in Python (the training form's two ops), instead of the one op ``site_read_decode``.
 - ``RoPE: eager``: the DSA indexer's rotations as the eager form (~14 ops a call), instead of the one op
   ``rotary_one``.
+- ``linear: checks per call``: the decode's few-row linears through linear's general entry (fp32 wrapper, autocast,
+  operand dtypes, grad, library asked per call) before the same panel_matmul, instead of its decode entry.
 - ``ops' entries per call``: every op through its general entry (autocast, dtype, library, op table and grad asked
   per call), instead of the decode step's direct C++ calls decided once per step (ops/decode.py).
 
@@ -68,6 +70,7 @@ FORMS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "site read: 2 ops": lambda: _both(_patched(mhc_ops, "_site_read_no_grad", _site_read_two_ops),
                                       _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "site_read"))),
     "RoPE: eager": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "rotary")),
+    "linear: checks per call": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "linear")),
     "ops' entries per call": lambda: _patched(decode, "OPS", ()),
 }
 

@@ -21,7 +21,7 @@ import torch
 
 from glm_lightning.model.ops import backend
 
-OPS = ("rms_norm", "site_read", "stream_write", "kda_decode_step", "moe_route", "rotary")
+OPS = ("rms_norm", "site_read", "stream_write", "kda_decode_step", "moe_route", "rotary", "linear")
 """The ops with a decode-only entry (by the names they pass to ``backend.takes``)."""
 
 _on: frozenset[str] = frozenset()
