@@ -17,6 +17,9 @@ The earlier forms are kept here only, as patches of the current code:
   operand dtypes, grad, library asked per call) before the same panel_matmul, instead of its decode entry.
 - ``ops' entries per call``: every op through its general entry (autocast, dtype, library, op table and grad asked
   per call), instead of the decode step's direct C++ calls decided once per step (ops/decode.py).
+- ``all of the above (f645ffb)``: every earlier form at once, with the mHC sites' parameters read through nn.Module
+  attribute lookups and KDA's cached input weights looked up after its twelve module lookups: the decode step before
+  the work of issue 49 part 4's fourth helper (commit f645ffb).
 
     python -m benchmarks.bench_decode_forms [--rounds 30]
 """
@@ -35,6 +38,8 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.profile_step import is_aten
 from glm_lightning.generation import decode_cache
 from glm_lightning.model import GLMConfig, GLMModel
+from glm_lightning.model.kda import KDAttention
+from glm_lightning.model.mhc import HyperConnection
 from glm_lightning.model.ops import decode, mhc as mhc_ops
 
 
@@ -57,6 +62,19 @@ def _patched(module: object, name: str, value: object) -> Iterator[None]:
         setattr(module, name, before)
 
 
+def _params_by_lookup(self: HyperConnection) -> tuple:
+    return (self.phi, self.alpha, self.bias, self._alpha_index, self._gate_scale, self._gate_shift, self.norm_eps,
+            self.iters, self.eps)
+
+
+def _in_weights_after_lookups(self: KDAttention, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    qkv = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+    small = (self.f_a_proj.weight, self.g_a_proj.weight, self.b_proj.weight)
+    if cache is None or torch.is_grad_enabled():
+        return torch.cat(qkv), torch.cat(small)
+    return cache.in_weights  # set by the warm-up steps
+
+
 @contextlib.contextmanager
 def _both(*patches: contextlib.AbstractContextManager) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
@@ -72,6 +90,10 @@ FORMS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "RoPE: eager": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "rotary")),
     "linear: checks per call": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "linear")),
     "ops' entries per call": lambda: _patched(decode, "OPS", ()),
+    "all of the above (f645ffb)": lambda: _both(
+        _patched(mhc_ops, "_site_read_no_grad", _site_read_two_ops), _patched(decode, "OPS", ()),
+        _patched(HyperConnection, "_params", _params_by_lookup),
+        _patched(KDAttention, "_in_weights", _in_weights_after_lookups)),
 }
 
 
