@@ -19,7 +19,7 @@ The earlier forms are kept here only, as patches of the current code:
   per call), instead of the decode step's direct C++ calls decided once per step (ops/decode.py).
 - ``all of the above (f645ffb)``: every earlier form at once, with the mHC sites' parameters read through nn.Module
   attribute lookups and KDA's cached input weights looked up after its twelve module lookups: the decode step before
-  the work of issue 49 part 4's fourth helper (commit f645ffb).
+  this work (commit f645ffb).
 
     python -m benchmarks.bench_decode_forms [--rounds 30]
 """
