@@ -134,3 +134,21 @@ def test_sinkhorn_backward_equals_autograd_of_the_iterations_fp32(fused):
     (out_a * weight).sum().backward()
     (out_b * weight).sum().backward()
     torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_site_params_follow_a_parametrized_phi_and_moved_buffers():
+    """The site reads its parameters from the module's dicts (fast): a LoRA-parametrized phi (a property, not in the
+    dict) and buffers replaced by a dtype move are still what it reads."""
+    from glm_lightning.lora import apply_lora
+
+    torch.manual_seed(0)
+    holder = torch.nn.Module()
+    holder.site = HyperConnection(n=2, dim=4)
+    apply_lora(holder, ["site.phi"], rank=2)
+    with torch.no_grad():
+        holder.site.parametrizations.phi[0].lora_B.normal_()  # a non-zero adapter
+    assert torch.equal(holder.site._params()[0], holder.site.phi)
+    assert not torch.equal(holder.site._params()[0], holder.site.parametrizations.phi.original)
+    holder.double()
+    params = holder.site._params()
+    assert params[3] is holder.site._alpha_index and params[4].dtype == torch.float64

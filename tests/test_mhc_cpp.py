@@ -161,6 +161,33 @@ def test_cpp_site_read_equals_the_eager_mappings_and_read(n, dim, monkeypatch):
     assert torch.autograd.gradcheck(f, args, fast_mode=dim > 6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n,dim,tokens", [(2, 6, 3), (4, 192, 16), (3, 48, 21)])
+def test_site_read_decode_equals_the_two_ops_bit_for_bit(n, dim, tokens, dtype):
+    """The decode step's read half as one op (site_read_decode: site read and Sinkhorn, alpha expanded inside) gives
+    exactly the values of the autograd form's two ops (site_read, sinkhorn) at odd widths, partial token blocks of 8
+    and of 16, fp32 and fp64; and the layer's no-grad read runs it."""
+    from glm_lightning.model.mhc import HyperConnection
+
+    torch.manual_seed(n + tokens)
+    site = HyperConnection(n=n, dim=dim, iters=7, site_index=1).to(dtype)
+    with torch.no_grad():
+        site.alpha.normal_(0.0, 1.0)
+        site.bias.normal_(0.0, 1.0)
+    x = torch.randn(tokens, 1, n, dim, dtype=dtype)
+    h_two, post_two, res_two = mhc_ops._SiteReadCpp.apply(
+        x.view(tokens, n, dim), site.phi, site.alpha, site.bias, site._alpha_index, site._gate_scale,
+        site._gate_shift, site.norm_eps, site.iters, site.eps)
+    with torch.no_grad():  # the layer's no-grad read (a decode step's)
+        h, (post, res) = site.read(x)
+    assert torch.equal(h.view(tokens, dim), h_two) and torch.equal(post.view(tokens, n), post_two)
+    assert torch.equal(res.view(tokens, n, n), res_two)
+    one = torch.ops.glm_lightning.site_read_decode(x.view(tokens, n, dim), site.phi.detach(), site.alpha.detach(), site._alpha_index,
+               site.bias.detach(), site._gate_scale, site._gate_shift, site.norm_eps, site.iters, site.eps)
+    for a, b in zip(one, (h_two, post_two, res_two)):
+        assert a.dtype == dtype and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("n", [1, 5, 8])
 def test_cpp_every_compiled_stream_count_and_the_saved_softmax(n):
     """The op is compiled for 1 to 8 streams (csrc/sinkhorn.cpp): each equals the eager form, and the second output

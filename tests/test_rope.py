@@ -99,3 +99,26 @@ def test_cos_sin_of_a_range_is_the_tensor_lookup():
     for bad in (range(10, 17), range(-1, 3), range(0, 8, 2)):
         with pytest.raises(ValueError):
             rope.cos_sin(bad)
+
+
+@pytest.mark.parametrize("shape,d_rot", [((16, 1, 4, 32), 16), ((16, 1, 32), 16), ((3, 1, 6, 8), 8), ((5, 10), 4)])
+def test_decode_rotary_op_equals_the_eager_rotation_bit_for_bit(shape, d_rot) -> None:
+    """A decode step's rotation at one position (C++ rotary_one: partial and full, any leading dims) gives exactly
+    the eager form's values: its two products are rounded before their sum, as the eager ops round them."""
+    from glm_lightning.model import cext
+    from glm_lightning.model.ops import decode
+
+    if not cext.available():
+        pytest.skip("C++ ops disabled (GLM_LIGHTNING_EXT=0) or not buildable")
+    torch.manual_seed(d_rot + len(shape))
+    rope = RotaryEmbedding(d_rot, 40)
+    x = torch.randn(*shape) * 3.0
+    for pos in (0, 7, 39):
+        cos, sin = rope.cos_sin(range(pos, pos + 1))
+        cos, sin = cos.view(*[1] * (len(shape) - 1), d_rot), sin.view(*[1] * (len(shape) - 1), d_rot)
+        eager = apply_rotary(x, cos, sin)
+        with decode.fp32_step(True):
+            assert decode.cpp("rotary")
+            fused = apply_rotary(x, cos, sin)
+        assert torch.equal(fused, eager)
+        assert torch.equal(torch.ops.glm_lightning.rotary_one(x, cos, sin), eager)

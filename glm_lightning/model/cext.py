@@ -39,13 +39,11 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("sinkhorn.cpp", "state_scan.cpp", "streams.cpp",
-                                                                "kda_decode.cpp", "small_matmul.cpp",
-                                                                "kda_recurrent.cpp", "site_read.cpp",
-                                                                "short_conv.cpp", "swiglu.cpp", "moe_rows.cpp",
-                                                                "kda_pointwise.cpp", "moe_route.cpp", "rms_norm.cpp",
-                                                                "decode_attention.cpp", "panel_matmul.cpp"))
-HEADERS = (Path(__file__).parent / "csrc" / "kernel_helpers.h", Path(__file__).parent / "csrc" / "lanes.h")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
+    "sinkhorn.cpp", "state_scan.cpp", "streams.cpp", "kda_decode.cpp", "small_matmul.cpp", "kda_recurrent.cpp",
+    "site_read.cpp", "short_conv.cpp", "swiglu.cpp", "moe_rows.cpp", "kda_pointwise.cpp", "moe_route.cpp",
+    "rms_norm.cpp", "decode_attention.cpp", "panel_matmul.cpp", "rotary.cpp"))
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("kernel_helpers.h", "lanes.h", "sinkhorn.h"))
 """Included by the sources: hashed with them, so that a change rebuilds the library."""
 BUILD_TIMEOUT_S = 2400
 """Upper bound of one build's wall time: ~4 min of g++ CPU time on a 2-core AVX2 machine (247 s; about 2 min of wall

@@ -119,9 +119,12 @@ class KDAttention(nn.Module):
     def _in_weights(self, cache: KDACache | None) -> tuple[Tensor, Tensor]:
         """The concatenated input projections [W_q; W_k; W_v] and [W_f1; W_g1; W_b]: rebuilt on every call, except
         while decoding without autograd, where the decode cache keeps them for the rest of that generation."""
+        decoding = cache is not None and not torch.is_grad_enabled()
+        if decoding and cache.in_weights is not None:  # first: the twelve module lookups below cost a step ~15 us
+            return cache.in_weights
         qkv = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         small = (self.f_a_proj.weight, self.g_a_proj.weight, self.b_proj.weight)
-        if cache is None or torch.is_grad_enabled():
+        if not decoding:
             return torch.cat(qkv), torch.cat(small)
         if cache.in_weights is None:
             with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable in and out of inference mode

@@ -24,7 +24,7 @@ from glm_lightning.model.mhc import HyperConnection, collapse_streams, expand_st
 from glm_lightning.model.mlp import DenseSwiGLU
 from glm_lightning.model.moe import MoE
 from glm_lightning.model.norm import RMSNorm
-from glm_lightning.model.ops import linear
+from glm_lightning.model.ops import decode, linear
 from glm_lightning.model.ops.matmul import packed_weights
 
 
@@ -91,11 +91,14 @@ class GLMModel(nn.Module):
         incremental: the tokens continue the sequences held in the cache, which is updated in place. Decode steps (one
         token per row with a cache, no autograd) pack the weights of their few-row matmuls once into the cache
         (ops.matmul.packed_weights); a prefill does not (a cache used for one call would pay the packing for nothing).
+        Decode steps of an fp32 model also decide once which C++ ops they call directly (ops.decode.fp32_step).
         """
         src = input_ids if input_ids is not None else input_embeds  # checked in _forward (_embed_checked)
         decoding = (cache is not None and not torch.is_grad_enabled() and isinstance(src, torch.Tensor)
                     and src.dim() >= 2 and src.shape[1] == 1)
-        with packed_weights(cache.packed if decoding else None):
+        weight = self.embed.weight
+        fp32 = decoding and weight.dtype is torch.float32 and weight.is_cpu
+        with packed_weights(cache.packed if decoding else None), decode.fp32_step(fp32):
             return self._forward(input_ids, valid, cache, input_embeds)
 
     def _forward(self, input_ids: torch.Tensor | None, valid: torch.Tensor | None, cache: ModelCache | None,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from glm_lightning.model.ops import decode
+
 
 def rope_inv_freq(dim: int, base: float = 10000.0) -> torch.Tensor:
     """The ``dim // 2`` inverse frequencies ``theta_i = base^(-2i/dim)`` in fp32 (computed in fp64)."""
@@ -48,6 +50,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     d_rot = cos.shape[-1]
     if d_rot > x.shape[-1]:
         raise ValueError(f"rotary dim {d_rot} exceeds the feature dim {x.shape[-1]}")
+    if decode.cpp("rotary") and cos.numel() == d_rot and x.dtype is torch.float32 and x.is_contiguous():
+        return torch.ops.glm_lightning.rotary_one(x, cos, sin)  # a decode step: one position, one op
     xf = x if x.dtype == torch.float32 else x.float()
     if d_rot == x.shape[-1]:
         out = xf * cos + rotate_half(xf) * sin

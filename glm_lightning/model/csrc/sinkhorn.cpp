@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernel_helpers.h"
+#include "sinkhorn.h"
 
 namespace {
 
@@ -181,6 +182,35 @@ at::Tensor as_tokens(const at::Tensor& t) {
   return (t.stride(2) == 1 && t.stride(1) == t.size(2)) ? t : t.contiguous();
 }
 
+}  // namespace
+
+namespace glm_lightning_ops {
+
+template <typename T>
+void sinkhorn_forward(const T* x, int64_t ts, int64_t N, int64_t n, int64_t iters, T eps, T* y, T* sm) {
+  with_streams(n, [&]<int NN>() {
+    at::parallel_for(0, (N + W - 1) / W, 16, [&](int64_t begin, int64_t end) {
+      T m[NN * NN][W];
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t t0 = blk * W, nt = std::min(W, N - t0);
+        load<NN>(x + t0 * ts, ts, nt, T(0), m);
+        softmax_rows<NN>(m);
+        if (sm) store<NN>(m, nt, sm + t0 * NN * NN);
+        plus_eps<NN>(m, m, eps);
+        iterate<NN>(iters, eps, m, static_cast<T*>(nullptr));
+        store<NN>(m, nt, y + t0 * NN * NN);
+      }
+    });
+  });
+}
+
+template void sinkhorn_forward<float>(const float*, int64_t, int64_t, int64_t, int64_t, float, float*, float*);
+template void sinkhorn_forward<double>(const double*, int64_t, int64_t, int64_t, int64_t, double, double*, double*);
+
+}  // namespace glm_lightning_ops
+
+namespace {
+
 // (doubly stochastic result, row softmax of the logits): both [N, n, n]; the backward takes the softmax.
 std::tuple<at::Tensor, at::Tensor> sinkhorn(const at::Tensor& logits_in, int64_t iters, double eps) {
   TORCH_CHECK(iters >= 1, "iters must be >= 1");
@@ -189,23 +219,8 @@ std::tuple<at::Tensor, at::Tensor> sinkhorn(const at::Tensor& logits_in, int64_t
   at::Tensor out = at::empty({N, n, n}, logits.options());
   at::Tensor soft = at::empty({N, n, n}, logits.options());
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "sinkhorn", [&] {
-    const scalar_t* x = logits.data_ptr<scalar_t>();
-    scalar_t *y = out.data_ptr<scalar_t>(), *sm = soft.data_ptr<scalar_t>();
-    const scalar_t e = static_cast<scalar_t>(eps);
-    with_streams(n, [&]<int NN>() {
-      at::parallel_for(0, (N + W - 1) / W, 16, [&](int64_t begin, int64_t end) {
-        scalar_t m[NN * NN][W];
-        for (int64_t blk = begin; blk < end; ++blk) {
-          const int64_t t0 = blk * W, nt = std::min(W, N - t0);
-          load<NN>(x + t0 * ts, ts, nt, scalar_t(0), m);
-          softmax_rows<NN>(m);
-          store<NN>(m, nt, sm + t0 * NN * NN);
-          plus_eps<NN>(m, m, e);
-          iterate<NN>(iters, e, m, static_cast<scalar_t*>(nullptr));
-          store<NN>(m, nt, y + t0 * NN * NN);
-        }
-      });
-    });
+    glm_lightning_ops::sinkhorn_forward(logits.data_ptr<scalar_t>(), ts, N, n, iters, static_cast<scalar_t>(eps),
+                                        out.data_ptr<scalar_t>(), soft.data_ptr<scalar_t>());
   });
   return {out, soft};
 }

@@ -17,6 +17,9 @@
 //                                                                inv_rms [N], raw [N, L], sig [N, 2n])
 //   site_read_backward(dh, dpost, dres_logits, x, phi, alpha_e, scale, inv_rms, raw, sig, gates)
 //       -> (dx [N, n, C], dphi [L, nC], dbias [L], dalpha_l [L])
+//   site_read_decode(x, phi, alpha, alpha_index, bias, scale, shift, norm_eps, iters, eps)
+//       -> (h [..., C], H_post [..., n], H_res [..., n, n])   a decode step's whole read half (x [..., n, C]),
+//          Sinkhorn included
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "kernel_helpers.h"
+#include "sinkhorn.h"
 
 namespace {
 
@@ -113,21 +117,67 @@ inline void draw_products(const T* __restrict draw, const T* __restrict phi, con
     }
 }
 
-void check_site(const at::Tensor& x, const at::Tensor& phi) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be a contiguous [N, n, C]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "fp32 or fp64 only");
-  const int64_t n = x.size(1), nC = n * x.size(2);
+void check_phi(const at::Tensor& phi, int64_t n, int64_t nC, at::ScalarType dt) {
+  TORCH_CHECK(dt == at::kFloat || dt == at::kDouble, "fp32 or fp64 only");
   TORCH_CHECK(phi.dim() == 2 && phi.size(0) == n * n + 2 * n && phi.size(1) == nC && phi.is_contiguous(),
               "phi must be a contiguous [n^2 + 2n, nC]");
   TORCH_CHECK(n * n + 2 * n <= 64, "site_read: at most 6 streams");
-  TORCH_CHECK(phi.scalar_type() == x.scalar_type(), "phi must have x's dtype");
+  TORCH_CHECK(phi.scalar_type() == dt, "phi must have x's dtype");
+}
+
+void check_site(const at::Tensor& x, const at::Tensor& phi) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be a contiguous [N, n, C]");
+  check_phi(phi, x.size(1), x.size(1) * x.size(2), x.scalar_type());
+}
+
+// The forward over N tokens into raw pointers (the outputs of site_read; the decode op passes scratch for the ones
+// only the backward reads): h [N, C], gates [N, 2n], res logits [N, n, n], inv_rms [N], raw [N, L], sig [N, 2n].
+template <typename T>
+void site_read_forward(const T* xp, const T* pp, const T* ap, const T* bp, const T* sc, const T* sh, T eps, int64_t N,
+                       int64_t n, int64_t C, T* hp, T* gp, T* rp, T* ip, T* rawp, T* sp) {
+  const int64_t nC = n * C, L = n * n + 2 * n;
+  at::parallel_for(0, (N + kSiteBlock - 1) / kSiteBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t t0 = blk * kSiteBlock, t1 = std::min(N, t0 + kSiteBlock);
+      if (t1 - t0 == kSiteBlock)  // each phi row once per block
+        project<T, kSiteBlock>(xp + t0 * nC, pp, rawp + t0 * L, L, nC);
+      else
+        for (int64_t l = 0; l < L; ++l)
+          for (int64_t t = t0; t < t1; ++t) rawp[t * L + l] = dot(xp + t * nC, pp + l * nC, nC);
+      for (int64_t t = t0; t < t1; ++t) {
+        const T* xt = xp + t * nC;
+        const T ss = dot(xt, xt, nC);
+        const T r = T(1) / std::sqrt(eps + ss / static_cast<T>(nC));
+        ip[t] = r;
+        for (int64_t l = 0; l < L; ++l) {
+          const T logit = bp[l] + ap[l] * (rawp[t * L + l] * r);
+          if (l < 2 * n) {
+            const T s = T(1) / (T(1) + std::exp(-logit));
+            sp[t * 2 * n + l] = s;
+            gp[t * 2 * n + l] = sh[l] + s * sc[l];
+          } else {
+            rp[t * n * n + l - 2 * n] = logit;
+          }
+        }
+        T* ht = hp + t * C;
+        for (int64_t i = 0; i < n; ++i) {
+          const T w = gp[t * 2 * n + i];
+          const T* xi = xt + i * C;
+          if (i == 0)
+            for (int64_t c = 0; c < C; ++c) ht[c] = w * xi[c];
+          else
+            for (int64_t c = 0; c < C; ++c) ht[c] += w * xi[c];
+        }
+      }
+    }
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read(
     const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha_e_in, const at::Tensor& bias_in,
     const at::Tensor& scale_in, const at::Tensor& shift_in, double norm_eps) {
   check_site(x, phi);
-  const int64_t N = x.size(0), n = x.size(1), C = x.size(2), nC = n * C, L = n * n + 2 * n;
+  const int64_t N = x.size(0), n = x.size(1), C = x.size(2), L = n * n + 2 * n;
   const auto dt = x.scalar_type();
   const at::Tensor alpha_e = alpha_e_in.to(dt).contiguous(), bias = bias_in.to(dt).contiguous(),
                    scale = scale_in.to(dt).contiguous(), shift = shift_in.to(dt).contiguous();
@@ -138,48 +188,66 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
              inv = at::empty({N}, opt), raw = at::empty({N, L}, opt), sig = at::empty({N, 2 * n}, opt);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "site_read", [&] {
     using T = scalar_t;
-    const T *xp = x.data_ptr<T>(), *pp = phi.data_ptr<T>(), *ap = alpha_e.data_ptr<T>(), *bp = bias.data_ptr<T>(),
-            *sc = scale.data_ptr<T>(), *sh = shift.data_ptr<T>();
-    T *hp = h.data_ptr<T>(), *gp = gates.data_ptr<T>(), *rp = res.data_ptr<T>(), *ip = inv.data_ptr<T>(),
-      *rawp = raw.data_ptr<T>(), *sp = sig.data_ptr<T>();
-    const T eps = static_cast<T>(norm_eps);
-    at::parallel_for(0, (N + kSiteBlock - 1) / kSiteBlock, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t t0 = blk * kSiteBlock, t1 = std::min(N, t0 + kSiteBlock);
-        if (t1 - t0 == kSiteBlock)  // each phi row once per block
-          project<T, kSiteBlock>(xp + t0 * nC, pp, rawp + t0 * L, L, nC);
-        else
-          for (int64_t l = 0; l < L; ++l)
-            for (int64_t t = t0; t < t1; ++t) rawp[t * L + l] = dot(xp + t * nC, pp + l * nC, nC);
-        for (int64_t t = t0; t < t1; ++t) {
-          const T* xt = xp + t * nC;
-          const T ss = dot(xt, xt, nC);
-          const T r = T(1) / std::sqrt(eps + ss / static_cast<T>(nC));
-          ip[t] = r;
-          for (int64_t l = 0; l < L; ++l) {
-            const T logit = bp[l] + ap[l] * (rawp[t * L + l] * r);
-            if (l < 2 * n) {
-              const T s = T(1) / (T(1) + std::exp(-logit));
-              sp[t * 2 * n + l] = s;
-              gp[t * 2 * n + l] = sh[l] + s * sc[l];
-            } else {
-              rp[t * n * n + l - 2 * n] = logit;
-            }
-          }
-          T* ht = hp + t * C;
-          for (int64_t i = 0; i < n; ++i) {
-            const T w = gp[t * 2 * n + i];
-            const T* xi = xt + i * C;
-            if (i == 0)
-              for (int64_t c = 0; c < C; ++c) ht[c] = w * xi[c];
-            else
-              for (int64_t c = 0; c < C; ++c) ht[c] += w * xi[c];
-          }
-        }
-      }
-    });
+    site_read_forward<T>(x.data_ptr<T>(), phi.data_ptr<T>(), alpha_e.data_ptr<T>(), bias.data_ptr<T>(),
+                         scale.data_ptr<T>(), shift.data_ptr<T>(), static_cast<T>(norm_eps), N, n, C, h.data_ptr<T>(),
+                         gates.data_ptr<T>(), res.data_ptr<T>(), inv.data_ptr<T>(), raw.data_ptr<T>(),
+                         sig.data_ptr<T>());
   });
   return {h, gates, res, inv, raw, sig};
+}
+
+// A contiguous [len] parameter of dtype dt, checked rather than converted: a conversion is a dispatched op per call.
+const at::Tensor& param(const at::Tensor& t, at::ScalarType dt, int64_t len, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dt && t.is_contiguous() && t.numel() == len, name, " must be a contiguous [", len,
+              "] of x's dtype");
+  return t;
+}
+
+// The read half of a site for a decode step (no autograd): site_read and Sinkhorn in one call, with alpha expanded per
+// logit here (alpha[alpha_index]) and only (h [N, C], H_post [N, n], H_res [N, n, n]) allocated; the same arithmetic
+// as the two ops, so the same values bit for bit. Why: the two ops with their Python around them were ~23 dispatched
+// ops per site (expansion, six outputs, dtype conversions, slices), 24 sites per flash-25m step.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> site_read_decode(
+    const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha, const at::Tensor& alpha_index,
+    const at::Tensor& bias, const at::Tensor& scale, const at::Tensor& shift, double norm_eps, int64_t iters,
+    double eps) {
+  TORCH_CHECK(x.dim() >= 2 && x.is_contiguous(), "x must be a contiguous [..., n, C]");
+  TORCH_CHECK(iters >= 1, "iters must be >= 1");
+  const int64_t n = x.size(-2), C = x.size(-1), N = x.numel() / std::max<int64_t>(1, n * C), L = n * n + 2 * n;
+  check_phi(phi, n, n * C, x.scalar_type());
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(alpha.scalar_type() == dt && alpha.is_contiguous(), "alpha must be contiguous, of x's dtype");
+  TORCH_CHECK(alpha_index.scalar_type() == at::kLong && alpha_index.is_contiguous() && alpha_index.numel() == L,
+              "alpha_index must be a contiguous int64 [n^2 + 2n]");
+  param(bias, dt, L, "bias");
+  param(scale, dt, 2 * n, "scale");
+  param(shift, dt, 2 * n, "shift");
+  // the outputs shaped as the leading dims of x: no views to make in Python
+  std::vector<int64_t> lead(x.sizes().begin(), x.sizes().end() - 2), h_size = lead, post_size = lead, res_size = lead;
+  h_size.push_back(C);
+  post_size.push_back(n);
+  res_size.insert(res_size.end(), {n, n});
+  auto opt = x.options();
+  at::Tensor h = at::empty(h_size, opt), post = at::empty(post_size, opt), res = at::empty(res_size, opt);
+  AT_DISPATCH_FLOATING_TYPES(dt, "site_read_decode", [&] {
+    using T = scalar_t;
+    const int64_t* ix = alpha_index.data_ptr<int64_t>();
+    const T* ap = alpha.data_ptr<T>();
+    std::vector<T> alpha_e(L), scratch(N * (2 * n + n * n + 1 + L + 2 * n));
+    for (int64_t l = 0; l < L; ++l) {
+      TORCH_CHECK(ix[l] >= 0 && ix[l] < alpha.numel(), "alpha_index out of range");
+      alpha_e[l] = ap[ix[l]];
+    }
+    T *gp = scratch.data(), *lp = gp + N * 2 * n, *ip = lp + N * n * n, *rawp = ip + N, *sp = rawp + N * L;
+    site_read_forward<T>(x.data_ptr<T>(), phi.data_ptr<T>(), alpha_e.data(), bias.data_ptr<T>(), scale.data_ptr<T>(),
+                         shift.data_ptr<T>(), static_cast<T>(norm_eps), N, n, C, h.data_ptr<T>(), gp, lp, ip, rawp,
+                         sp);
+    T* pp = post.data_ptr<T>();
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t i = 0; i < n; ++i) pp[t * n + i] = gp[t * 2 * n + n + i];
+    glm_lightning_ops::sinkhorn_forward<T>(lp, n * n, N, n, iters, static_cast<T>(eps), res.data_ptr<T>(), nullptr);
+  });
+  return {h, post, res};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
@@ -261,9 +329,12 @@ TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("site_read_backward(Tensor dh, Tensor dpost, Tensor dres_logits, Tensor x, Tensor phi, Tensor alpha_e, "
         "Tensor scale, Tensor inv_rms, Tensor raw, Tensor sig, Tensor gates) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("site_read_decode(Tensor x, Tensor phi, Tensor alpha, Tensor alpha_index, Tensor bias, Tensor scale, "
+        "Tensor shift, float norm_eps, int iters, float eps) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
   m.impl("site_read", &site_read);
   m.impl("site_read_backward", &site_read_backward);
+  m.impl("site_read_decode", &site_read_decode);
 }

@@ -7,7 +7,8 @@ loaded, the op not switched off); ``thresholds.py`` holds every shape threshold 
 table of which form runs on this CPU (measured by ``python -m glm_lightning.model.ops.tune``, else the shipped
 defaults; put in force on import); ``backend.cpp_ops(False)`` switches the
 C++ ops off for a block (GLM_LIGHTNING_EXT=0 never loads them). ``mixed_precision.py`` is how the ops meet bf16 (GEMMs
-in bf16, native or emulated; every other op in fp32, cast at its boundary).
+in bf16, native or emulated; every other op in fp32, cast at its boundary). ``decode.py`` is a cached fp32 decode
+step's backend decision, made once per step: the decode-only entries of a few ops call their C++ op directly.
 
 | op | function | file |
 |---|---|---|

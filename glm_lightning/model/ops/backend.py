@@ -56,6 +56,14 @@ def cpp_ops_off(ops: Iterable[str]) -> Iterator[None]:
         set_cpp_off(before)
 
 
+def cpp_forms(ops: Iterable[str]) -> frozenset[str]:
+    """Those of ``ops`` whose C++ form runs where it takes the tensors: none unless the library is loaded, else all
+    that the op table does not switch off (a decode step asks once, ops/decode.py)."""
+    if not cpp_loaded():
+        return frozenset()
+    return frozenset(op for op in ops if op not in _cpp_off)
+
+
 def takes(*tensors: torch.Tensor, fp64: bool = True, op: str | None = None) -> bool:
     """Whether the C++ op named ``op`` takes these tensors: all on the CPU, of one dtype, fp32 (or fp64 for the ops
     that have an fp64 instantiation, for gradcheck), the library loaded, and the op not switched off by the op table

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, mixed_precision as mp
+from glm_lightning.model.ops import backend, decode, mixed_precision as mp
 from glm_lightning.model.ops.kda_inputs import kda_features, pads_as_identity
 from glm_lightning.model.ops.norm import gated_head_norm
 
@@ -59,21 +59,36 @@ def conv_step_(conv_state: Tensor, raw: Tensor, weight: Tensor) -> Tensor:
     return y
 
 
-@mp.fp32_op
 def kda_decode_step(raw: Tensor, f: Tensor, b: Tensor, gate: Tensor, valid: Tensor | None, conv_state: Tensor,
                     state: Tensor, conv_weight: Tensor, A_log: Tensor, rescale: Tensor, lb: float,
                     norm_weight: Tensor, norm_eps: float) -> Tensor:
     """One decode step of a KDA layer, no autograd: raw q|k|v [B, 1, 3HK], f [B, 1, HK] and b [B, 1, H] (fp32), the
     output gate's pre-activation [B, 1, HK], valid [B, 1] or None; conv_state [B, ks-1, 3HK] and state [B, H, K, V]
     are updated in place. Returns the gated, normed output [B, 1, HK] (fp32), before the output projection."""
-    B = raw.shape[0]
+    if valid is None and decode.cpp("kda_decode_step") and raw.dtype is torch.float32:  # an fp32 model's step
+        return _core(raw, f, b, gate, conv_state, state, conv_weight, A_log, rescale, lb, norm_weight, norm_eps)
+    return _kda_decode_step(raw, f, b, gate, valid, conv_state, state, conv_weight, A_log, rescale, lb, norm_weight,
+                            norm_eps)
+
+
+def _core(raw: Tensor, f: Tensor, b: Tensor, gate: Tensor, conv_state: Tensor, state: Tensor, conv_weight: Tensor,
+          A_log: Tensor, rescale: Tensor, lb: float, norm_weight: Tensor, norm_eps: float) -> Tensor:
+    """The whole step as the C++ op kda_decode_core (fp32 tensors, no padding) -> [B, 1, HK]."""
+    C, ks = conv_weight.shape[0], conv_weight.shape[-1]
+    o = torch.ops.glm_lightning.kda_decode_core(raw, f, b, A_log, rescale, lb, conv_state, conv_weight.view(C, ks),
+                                                state, gate, norm_weight, norm_eps)
+    return o.view(raw.shape[0], 1, -1)
+
+
+@mp.fp32_op
+def _kda_decode_step(raw: Tensor, f: Tensor, b: Tensor, gate: Tensor, valid: Tensor | None, conv_state: Tensor,
+                     state: Tensor, conv_weight: Tensor, A_log: Tensor, rescale: Tensor, lb: float,
+                     norm_weight: Tensor, norm_eps: float) -> Tensor:
+    """:func:`kda_decode_step` outside an fp32 decode step: the checks per call, bf16 cast at the boundary."""
     A_log = _f32(A_log)
     if valid is None and backend.takes(raw, A_log, rescale, norm_weight, state, conv_state, conv_weight, fp64=False,
                                        op="kda_decode_step"):
-        C, ks = conv_weight.shape[0], conv_weight.shape[-1]
-        o = torch.ops.glm_lightning.kda_decode_core(raw, f, b, A_log, rescale, lb, conv_state,
-                                                    conv_weight.view(C, ks), state, _f32(gate), norm_weight, norm_eps)
-        return o.view(B, 1, -1)
+        return _core(raw, f, b, _f32(gate), conv_state, state, conv_weight, A_log, rescale, lb, norm_weight, norm_eps)
     if valid is not None:
         raw = raw.masked_fill(~valid.unsqueeze(-1), 0.0)
     y = conv_step_(conv_state, raw, conv_weight)

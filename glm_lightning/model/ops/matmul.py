@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, mixed_precision as mp, thresholds
+from glm_lightning.model.ops import backend, decode, mixed_precision as mp, thresholds
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -103,6 +103,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, fp32: bool 
     """``F.linear(x, weight, bias)``; while autograd records, through :class:`_Linear` (fewer backward ops). Under
     bf16 (autocast or bf16 operands) its GEMMs run in bf16 (module docstring); with ``fp32`` in fp32 whatever the
     autocast."""
+    f32 = torch.float32
+    if (_packs is not None and decode.cpp("linear") and x.dtype is f32 and weight.dtype is f32 and x.dim() >= 2
+            and (bias is None or bias.dtype is f32) and x.numel() <= thresholds.SMALL_ROWS * x.shape[-1]):
+        return panel_matmul(x, packed(weight), weight.shape[0], None, bias)  # an fp32 decode step: asked once per step
     if fp32:
         return _linear_fp32(x, weight, bias)
     if mp.lowp(x, weight, bias):

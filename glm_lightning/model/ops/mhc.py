@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, mixed_precision as mp, thresholds
+from glm_lightning.model.ops import backend, decode, mixed_precision as mp, thresholds
 from glm_lightning.model.ops.reference import site_mappings, stream_read as stream_read_reference
 from glm_lightning.model.ops.reference import stream_write as stream_write_reference
 
@@ -120,14 +120,31 @@ class _StreamWriteCpp(torch.autograd.Function):
         return torch.ops.glm_lightning.stream_write_backward(grad, *ctx.saved_tensors)
 
 
-@mp.fp32_op
 def stream_write(res: Tensor, x: Tensor, post: Tensor, y: Tensor) -> Tensor:
     """x_next = H_res x + H_post^T y: [..., n, n], [..., n, C], [..., n], [..., C] -> [..., n, C]."""
+    if decode.cpp("stream_write") and x.dtype is torch.float32 and x.shape[-2] <= thresholds.CPP_MAX_STREAMS:
+        return torch.ops.glm_lightning.stream_write(res, x, post, y)  # a decode step (its tensors all fp32)
+    return _stream_write(res, x, post, y)
+
+
+@mp.fp32_op
+def _stream_write(res: Tensor, x: Tensor, post: Tensor, y: Tensor) -> Tensor:
     if x.shape[-2] <= thresholds.CPP_MAX_STREAMS and backend.takes(x, op="stream_write"):
         if not backend.needs_grad(res, x, post, y):  # decoding: the op itself, no autograd node
             return torch.ops.glm_lightning.stream_write(res, x, post, y)
         return _StreamWriteCpp.apply(res, x, post, y)
     return stream_write_reference(res, x, post, y)
+
+
+def _site_read_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor, gate_scale: Tensor,
+                       gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:class:`_SiteReadCpp`'s forward without autograd (decoding) for x [..., n, C]: site read and Sinkhorn as one op
+    (``site_read_decode``: the same values, no node, nothing saved, only the three outputs made, already shaped)."""
+    dt = x.dtype
+    alpha, bias, gate_scale, gate_shift = (t if t.dtype == dt else t.to(dt) for t in (alpha, bias, gate_scale,
+                                                                                       gate_shift))
+    return torch.ops.glm_lightning.site_read_decode(x if x.is_contiguous() else x.contiguous(), phi, alpha,
+                                                     alpha_index, bias, gate_scale, gate_shift, norm_eps, iters, eps)
 
 
 class _SiteReadCpp(torch.autograd.Function):
@@ -163,26 +180,26 @@ class _SiteReadCpp(torch.autograd.Function):
         return dx, dphi, dalpha, dbias, None, None, None, None, None, None
 
 
-def _site_read_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor, gate_scale: Tensor,
-                       gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """:class:`_SiteReadCpp`'s forward without autograd (decoding): the same two ops, no node, nothing saved."""
-    n = x.shape[1]
-    h, gates, res_logits, *_ = torch.ops.glm_lightning.site_read(
-        x if x.is_contiguous() else x.contiguous(), phi, alpha.index_select(0, alpha_index), bias, gate_scale,
-        gate_shift, norm_eps)
-    return h, gates[:, n:], torch.ops.glm_lightning.sinkhorn(res_logits, iters, eps)[0]
-
-
-@mp.fp32_op
 def site_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor, gate_scale: Tensor,
               gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """The read half of an mHC site: streams x [..., n, C] -> (h = H_pre x [..., C], H_post [..., n],
     H_res [..., n, n]) in x's dtype; the parameters as :class:`glm_lightning.model.mhc.HyperConnection` holds them."""
+    if (decode.cpp("site_read") and x.dtype is torch.float32 and phi.dtype is torch.float32
+            and x.shape[-2] <= thresholds.SITE_READ_MAX_STREAMS and x.is_contiguous()):  # a decode step: the op itself
+        return torch.ops.glm_lightning.site_read_decode(x, phi, alpha, alpha_index, bias, gate_scale, gate_shift,
+                                                         norm_eps, iters, eps)
+    return _site_read(x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps)
+
+
+@mp.fp32_op
+def _site_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor, gate_scale: Tensor,
+               gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     lead, (n, C) = x.shape[:-2], x.shape[-2:]
     if n <= thresholds.SITE_READ_MAX_STREAMS and backend.takes(x, phi, op="site_read"):
-        site = (_SiteReadCpp.apply if backend.needs_grad(x, phi, alpha, bias) else _site_read_no_grad)
-        h, post, res = site(x.reshape(-1, n, C), phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters,
-                            eps)
+        if not backend.needs_grad(x, phi, alpha, bias):  # decoding: one op, shaped outputs, no node
+            return _site_read_no_grad(x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps)
+        h, post, res = _SiteReadCpp.apply(x.reshape(-1, n, C), phi, alpha, bias, alpha_index, gate_scale, gate_shift,
+                                          norm_eps, iters, eps)
         return h.view(*lead, C), post.view(*lead, n), res.view(*lead, n, n)
     pre, post, res = (m if m.dtype == x.dtype else m.to(x.dtype) for m in site_mappings(
         x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps, sinkhorn))

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, mixed_precision as mp, thresholds
+from glm_lightning.model.ops import backend, decode, mixed_precision as mp, thresholds
 from glm_lightning.model.ops import matmul
 from glm_lightning.model.ops.matmul import linear, small_matmul
 from glm_lightning.model.ops.reference import moe_balance_loss, moe_route as route_reference
@@ -254,12 +254,20 @@ def assignment_rows(idx: Tensor, counts: list[int]) -> tuple[Tensor, Tensor]:
     return pos, pos + shift.index_select(0, flat)
 
 
-@mp.fp32_op
 def moe_route(s: Tensor, bias: Tensor, top_k: int, scale: float, batch: int,
               balance_weight: float) -> tuple[Tensor, Tensor | None, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """Route N = batch * T tokens from their fp32 affinities s [N, E]: gates w [N, K], the balance loss (None when
     ``balance_weight`` is 0), choices idx [N, K], per-expert counts [E] and, from the C++ op, the assignment rows
     (pos, slot) (else None: :func:`moe_experts` builds them)."""
+    if decode.cpp("moe_route") and balance_weight == 0 and s.shape[0] > 0 and s.dtype is torch.float32:
+        w, _, idx, counts, pos, slot, _ = torch.ops.glm_lightning.moe_route(s, bias, top_k, scale, batch, 0.0)
+        return w, None, idx, counts, (pos, slot)  # a decode step: the op itself (no loss, no autograd)
+    return _moe_route(s, bias, top_k, scale, batch, balance_weight)
+
+
+@mp.fp32_op
+def _moe_route(s: Tensor, bias: Tensor, top_k: int, scale: float, batch: int,
+               balance_weight: float) -> tuple[Tensor, Tensor | None, Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     N, E = s.shape
     if N > 0 and backend.takes(s, op="moe_route"):
         if backend.needs_grad(s, bias):

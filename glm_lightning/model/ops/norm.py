@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm_lightning.model.ops import backend, mixed_precision as mp, reference
+from glm_lightning.model.ops import backend, decode, mixed_precision as mp, reference
 
 
 class _RMSNormCpp(torch.autograd.Function):
@@ -32,6 +32,9 @@ class _RMSNormCpp(torch.autograd.Function):
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """RMSNorm over the last dim, fp32 (or fp64) compute, result in x's dtype."""
+    f32 = torch.float32
+    if decode.cpp("rms_norm") and weight is not None and x.dtype is f32 and weight.dtype is f32 and x.is_contiguous():
+        return torch.ops.glm_lightning.rms_norm(x, weight, eps).view(x.shape)  # a decode step: the op itself
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc = x if x.dtype == dt else x.to(dt)
     w = weight if weight is None or weight.dtype == dt else weight.to(dt)

@@ -1,0 +1,46 @@
+"""A cached fp32 decode step's backend decisions, made once per step instead of once per op call.
+
+Why: a decode step is bound by Python and dispatch, not by its arithmetic (flash-25m, 16 rows: ~25 ms of which ~12 in
+the weight-streaming matmuls). Every op entry re-asks the same questions (autocast on? bf16 operands? library loaded?
+op switched off by the op table? autograd recording?), ~10 us of Python around an op of ~10 us: an RMSNorm call
+cost ~21 us against ~9 for the C++ op alone, a site read ~59 against ~35 (Intel Xeon, 1 thread, loaded machine).
+
+:func:`fp32_step` is entered by ``GLMModel.forward`` around a decode step (one token per row, a cache, no autograd)
+of a model with fp32 CPU weights, outside autocast. Inside it, :func:`cpp` says whether a decode-only entry of an op
+may call its C++ op directly: the library is loaded and the op table leaves that op's C++ form on (decided at entry).
+The entries still check what differs per call (a tensor's dtype, contiguity, padding) and fall back to the op's
+general form otherwise, so values are those of the general form's C++ op, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from glm_lightning.model.ops import backend
+
+OPS = ("rms_norm", "site_read", "stream_write", "kda_decode_step", "moe_route", "rotary", "linear")
+"""The ops with a decode-only entry (by the names they pass to ``backend.takes``)."""
+
+_on: frozenset[str] = frozenset()
+"""The ops of OPS whose C++ form the decode step in progress calls directly; empty outside one."""
+
+
+@contextmanager
+def fp32_step(active: bool) -> Iterator[None]:
+    """Run the block as a decode step of an fp32 CPU model (``active``; else a no-op): the decode-only entries of the
+    ops whose C++ form is on call it directly. Outside autocast only (under it the ops cast at their boundary)."""
+    global _on
+    before = _on
+    _on = backend.cpp_forms(OPS) if active and not torch.is_autocast_enabled("cpu") else frozenset()
+    try:
+        yield
+    finally:
+        _on = before
+
+
+def cpp(op: str) -> bool:
+    """Whether the decode step in progress calls ``op``'s C++ form directly (see :func:`fp32_step`)."""
+    return op in _on
