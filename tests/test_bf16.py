@@ -81,7 +81,8 @@ def _one_ulp_apart(a: torch.Tensor, b: torch.Tensor) -> None:
 @pytest.mark.parametrize("op", ["linear", "bmm", "attention"])
 def test_emulated_bf16_gemm_agrees_with_the_native_kernel(op):
     """Outputs and grads of a bf16 linear layer (autocast), a bmm and an attention within one bf16 ulp of torch's own
-    bf16 kernels (slow here; small shapes); and the emulated outputs are bf16-rounded values (bf16 dtype)."""
+    bf16 kernels (slow here; small shapes); and the emulated outputs are bf16-rounded values (bf16 dtype). Attention
+    runs torch's fp32 kernel in both modes (mixed_precision.attention): compared with torch's bf16 SDPA."""
     gen = torch.Generator().manual_seed(0)
     if op == "linear":
         args = [torch.randn(2, 24, 48, generator=gen), torch.randn(40, 48, generator=gen) * 0.2,
@@ -98,6 +99,8 @@ def test_emulated_bf16_gemm_agrees_with_the_native_kernel(op):
                 y = ops.linear(*leaves)
             elif op == "bmm":
                 y = mp.bmm(*leaves)
+            elif mode == "native":  # torch's own bf16 SDPA
+                y = F.scaled_dot_product_attention(*(leaf.to(torch.bfloat16) for leaf in leaves), is_causal=True)
             else:
                 y = ops.attention(*leaves, causal=True)
         assert y.dtype == torch.bfloat16
@@ -109,11 +112,30 @@ def test_emulated_bf16_gemm_agrees_with_the_native_kernel(op):
     for i, (emu, nat) in enumerate(pairs):
         assert i == 0 or emu.dtype == nat.dtype == torch.float32  # grads reach the fp32 leaves in fp32
         if op == "attention":
-            # native rounds the probabilities to bf16 before P V (emulation keeps them fp32): measured at most 1 ulp
-            # of the tensor's largest value (0.0078 of 1.8 for the output, 0.016 of 2.1-3.5 for the grads)
+            # torch's bf16 kernel rounds q, k, v and the probabilities to bf16 (ours keeps them fp32): measured at
+            # most 1 ulp of the tensor's largest value
             torch.testing.assert_close(emu.float(), nat.float(), rtol=ULP, atol=2 * ULP * float(nat.abs().max()))
         else:
             _one_ulp_apart(emu, nat)
+
+
+def test_attention_under_bf16_is_the_fp32_kernel_rounded_once():
+    """Under autocast (either GEMM mode) attention is torch's fp32 SDPA on the operands' values, its output rounded
+    to bf16, and the grads of fp32 leaves the fp32 kernel's grads of that rounded output's grad: bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    args = [torch.randn(2, 3, 12, 8, generator=gen) for _ in range(3)]
+    dy = torch.randn(2, 3, 12, 8, generator=gen).to(torch.bfloat16)
+    ref_leaves = [a.clone().requires_grad_(True) for a in args]
+    ref = F.scaled_dot_product_attention(*ref_leaves, is_causal=True)
+    ref.backward(dy.float())
+    for mode in mp.MODES:
+        leaves = [a.clone().requires_grad_(True) for a in args]
+        with mp.bf16_gemm(mode), torch.autocast("cpu", torch.bfloat16):
+            y = ops.attention(*leaves, causal=True)
+        y.backward(dy)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, ref.detach().to(torch.bfloat16))
+        for leaf, want in zip(leaves, ref_leaves):
+            assert torch.equal(leaf.grad, want.grad)
 
 
 def test_fp32_ops_cast_bf16_inputs_at_their_boundary():
