@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -48,13 +49,28 @@ const at::Tensor* weights(const std::optional<at::Tensor>& w, const at::Tensor& 
   return &*w;
 }
 
+// Zeros the rows of out [R, d] that no slot names (the padding), where at::zeros wrote all R rows and the scatter then
+// wrote the named ones again; a slot out of range is left for the scatter's check.
+void zero_unnamed_rows(at::Tensor& out, const at::Tensor& slot) {
+  const int64_t R = out.size(0), F = slot.numel();
+  const int64_t row_bytes = out.size(1) * out.element_size();
+  std::vector<uint8_t> named(R, 0);
+  const int64_t* sl = slot.data_ptr<int64_t>();
+  for (int64_t f = 0; f < F; ++f)
+    if (sl[f] >= 0 && sl[f] < R) named[sl[f]] = 1;
+  char* base = static_cast<char*>(out.data_ptr());
+  for (int64_t r = 0; r < R; ++r)
+    if (!named[r]) std::memset(base + r * row_bytes, 0, row_bytes);
+}
+
 at::Tensor rows_scatter(const at::Tensor& src, const at::Tensor& slot, int64_t K, const std::optional<at::Tensor>& scale,
                         int64_t R) {
   check(src, slot, K, "rows_scatter");
   const int64_t F = slot.numel(), d = src.size(1);
   TORCH_CHECK(F == src.size(0) * K, "rows_scatter: slot must be [N * K] for src [N, d]");
   const at::Tensor* sc = weights(scale, src, F, "rows_scatter");
-  at::Tensor out = at::zeros({R, d}, src.options());
+  at::Tensor out = at::empty({R, d}, src.options());
+  zero_unnamed_rows(out, slot);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, src.scalar_type(), "rows_scatter", [&] {
     using S = scalar_t;
     using T = Acc<S>;

@@ -11,7 +11,10 @@ The policy, one rule per kind of op:
 - **Everything else** (norm statistics, softmax, Sinkhorn and the mHC streams, the KDA conv, features, state
   recurrence and head norm, the MoE routing, the indexer's scores) computes in fp32: :func:`fp32_op` casts an op's
   bf16 inputs to fp32 at its boundary and runs it with autocast off, so the C++ ops (fp32 only) get fp32 and the
-  PyTorch forms' own products stay fp32. The losses take ``logits.float()``.
+  PyTorch forms' own products stay fp32. The losses take ``logits.float()``. Except the MoE's SwiGLU and row moves
+  (ops/moe.py), which sit between the experts' bf16 GEMMs: their C++ ops take bf16 and compute in fp32, each output
+  rounded to bf16 once (casting the padded [E, cap, 2h] batch to fp32 and back would cost more than the op; the eager
+  bf16 forms rounded after every op and took ~2x the fp32 C++ op's time).
 
 Which bf16 GEMM kernel runs is chosen here and only here (:func:`gemm_mode`): ``native`` is torch's bf16 kernel, what a
 CPU with bf16 dot-product instructions (avx512_bf16, amx_bf16; glm_lightning/precision.py) runs fast; ``emulated``
