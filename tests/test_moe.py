@@ -473,3 +473,46 @@ def test_cpp_routing_equals_the_eager_route_balance_loss_and_rows(top_k):
     tied = torch.full((2, E), 0.5)
     _, _, idx_t, *_ = torch.ops.glm_lightning.moe_route(tied, torch.zeros(E), top_k, 1.0, 1, 0.0)
     assert idx_t.tolist() == [list(range(top_k))] * 2
+
+
+@needs_cext
+def test_cpp_moe_ops_on_bf16_compute_in_fp32_and_round_once():
+    """bf16-mixed training runs the SwiGLU and the row moves between the experts' bf16 GEMMs on bf16 tensors: each op
+    equals its fp32 computation on the bf16 values rounded to bf16 once (the scatter and the combine bit for bit, the
+    SwiGLU and the gate gradient to the ulp a different exp or summation order can move), outputs bf16; and the
+    layer under autocast takes these ops (no eager SiLU)."""
+    bf = torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    ops = torch.ops.glm_lightning
+    hgu = torch.cat([torch.randn(7, 3, 70, generator=gen) * 30, torch.randn(7, 3, 70, generator=gen)], -1).to(bf)
+    da = torch.randn(7, 3, 70, generator=gen).to(bf)
+    g, u = hgu.float().chunk(2, dim=-1)
+    s = torch.sigmoid(g)
+    ulp = dict(rtol=2 ** -8, atol=1e-6)
+    a = ops.swiglu(hgu)
+    assert a.dtype == bf
+    torch.testing.assert_close(a.float(), (F.silu(g) * u).to(bf).float(), **ulp)
+    dhgu = ops.swiglu_backward(da, hgu)
+    ref = torch.cat([da.float() * u * s * (1 + g * (1 - s)), da.float() * g * s], -1).to(bf)
+    assert dhgu.dtype == bf
+    torch.testing.assert_close(dhgu.float(), ref.float(), **ulp)
+    N, K, d, R = 30, 2, 40, 70
+    x, rows = torch.randn(N, d, generator=gen).to(bf), torch.randn(R, d, generator=gen).to(bf)
+    slot, w = torch.randperm(R, generator=gen)[:N * K], torch.rand(N * K, generator=gen).to(bf)
+    rep = x.float().repeat_interleave(K, 0)
+    for scale in (None, w):
+        want = torch.zeros(R, d).index_copy_(0, slot, rep if scale is None else rep * w.float()[:, None]).to(bf)
+        assert torch.equal(ops.rows_scatter(x, slot, K, scale, R), want)
+    picked = rows.float().index_select(0, slot)
+    want = (picked * w.float()[:, None]).view(N, K, d)
+    assert torch.equal(ops.rows_gather_sum(rows, slot, K, w), (want[:, 0] + want[:, 1]).to(bf))
+    dot = ops.rows_dot(x, rows, slot, K)
+    assert dot.dtype == bf
+    torch.testing.assert_close(dot.float(), (rep * picked).sum(-1).to(bf).float(), **ulp)
+    m = make(seed=5, shared_expert_hidden=12)
+    xin = torch.randn(2, 9, 16, generator=gen, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16), torch.profiler.profile() as prof:
+        m(xin)[0].float().sum().backward()
+    names = {e.name for e in prof.events()}
+    assert "glm_lightning::swiglu" in names and "glm_lightning::swiglu_backward" in names
+    assert "aten::silu" not in names and "glm_lightning::rows_gather_sum" in names

@@ -88,6 +88,36 @@ inline T dot_(const T* __restrict u, const T* __restrict v, int64_t K) {
   return s;
 }
 
+// bf16 storage with fp32 math, for the ops that take bf16 tensors (bf16-mixed training: the MoE's SwiGLU and row
+// moves between its bf16 GEMMs). Acc<S> is the type an op computes in for storage S; load widens exactly, store
+// rounds to nearest even (NaN kept a NaN), both plain bit operations the compiler vectorises.
+template <typename S>
+struct AccOf { using type = S; };
+template <>
+struct AccOf<at::BFloat16> { using type = float; };
+template <typename S>
+using Acc = typename AccOf<S>::type;
+
+inline float load(float x) { return x; }
+inline double load(double x) { return x; }
+inline float load(at::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename S>
+inline S store(Acc<S> x) { return x; }
+template <>
+inline at::BFloat16 store<at::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t out = x != x ? ((bits >> 16) | 0x40u) : rounded;
+  return at::BFloat16(static_cast<uint16_t>(out), at::BFloat16::from_bits());
+}
+
 // Token rows per parallel task in the row-wise ops, and per partial sum of their parameter gradients (fixed blocks,
 // summed in order: the gradients do not depend on the thread count).
 constexpr int64_t kRowBlock = 64;

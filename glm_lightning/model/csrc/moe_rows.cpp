@@ -11,12 +11,16 @@
 //       out[n] = sum_k weight[n K + k] * src[slot[n K + k]]                      (the gated combine; dx)
 //   rows_dot(a [N, d], b [R, d], slot [N*K], K) -> out [N*K]
 //       out[f] = <a[f / K], b[slot[f]]>                                           (the gates' gradient)
-// fp32 and fp64; src / a / b contiguous.
+// fp32, fp64 and bf16 (bf16-mixed training: fp32 math, each output rounded to bf16 once); src / a / b contiguous.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <optional>
+#include <vector>
+
+#include "kernel_helpers.h"
 
 // No multiply-add contraction here: a token's sum is then round(w0 y0) + round(w1 y1), bit for bit what the eager
 // index_add_ of the products gives (GCC contracts into FMAs by default, which moved outputs by ~2e-7).
@@ -25,9 +29,14 @@
 
 namespace moe_rows {  // named: the unity build puts every source in one translation unit
 
+using glm_lightning_ops::Acc;
+using glm_lightning_ops::load;
+using glm_lightning_ops::store;
+
 void check(const at::Tensor& x, const at::Tensor& slot, int64_t K, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": rows must be a contiguous [rows, d]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, name, ": fp32 or fp64 only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble || x.scalar_type() == at::kBFloat16,
+              name, ": fp32, fp64 or bf16 only");
   TORCH_CHECK(slot.dim() == 1 && slot.scalar_type() == at::kLong && slot.is_contiguous(),
               name, ": slot must be a contiguous int64 [N * K]");
   TORCH_CHECK(K >= 1 && slot.numel() % K == 0, name, ": slot must hold K entries per token");
@@ -40,27 +49,47 @@ const at::Tensor* weights(const std::optional<at::Tensor>& w, const at::Tensor& 
   return &*w;
 }
 
+// Zeros the rows of out [R, d] that no slot names (the padding), where at::zeros wrote all R rows and the scatter then
+// wrote the named ones again; a slot out of range is left for the scatter's check.
+void zero_unnamed_rows(at::Tensor& out, const at::Tensor& slot) {
+  const int64_t R = out.size(0), F = slot.numel();
+  const int64_t row_bytes = out.size(1) * out.element_size();
+  std::vector<uint8_t> named(R, 0);
+  const int64_t* sl = slot.data_ptr<int64_t>();
+  for (int64_t f = 0; f < F; ++f)
+    if (sl[f] >= 0 && sl[f] < R) named[sl[f]] = 1;
+  char* base = static_cast<char*>(out.data_ptr());
+  for (int64_t r = 0; r < R; ++r)
+    if (!named[r]) std::memset(base + r * row_bytes, 0, row_bytes);
+}
+
 at::Tensor rows_scatter(const at::Tensor& src, const at::Tensor& slot, int64_t K, const std::optional<at::Tensor>& scale,
                         int64_t R) {
   check(src, slot, K, "rows_scatter");
   const int64_t F = slot.numel(), d = src.size(1);
   TORCH_CHECK(F == src.size(0) * K, "rows_scatter: slot must be [N * K] for src [N, d]");
   const at::Tensor* sc = weights(scale, src, F, "rows_scatter");
-  at::Tensor out = at::zeros({R, d}, src.options());
-  AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "rows_scatter", [&] {
-    using T = scalar_t;
-    const T* s = src.data_ptr<T>();
-    const T* w = sc ? sc->data_ptr<T>() : nullptr;
+  at::Tensor out = at::empty({R, d}, src.options());
+  zero_unnamed_rows(out, slot);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, src.scalar_type(), "rows_scatter", [&] {
+    using S = scalar_t;
+    using T = Acc<S>;
+    const S* s = src.data_ptr<S>();
+    const S* w = sc ? sc->data_ptr<S>() : nullptr;
     const int64_t* sl = slot.data_ptr<int64_t>();
-    T* o = out.data_ptr<T>();
+    S* o = out.data_ptr<S>();
     at::parallel_for(0, F, 64, [&](int64_t b, int64_t e) {
       for (int64_t f = b; f < e; ++f) {
         const int64_t r = sl[f];
         TORCH_CHECK(r >= 0 && r < R, "rows_scatter: slot out of range");
-        const T* x = s + (f / K) * d;
-        T* y = o + r * d;
-        const T g = w ? w[f] : T(1);
-        for (int64_t c = 0; c < d; ++c) y[c] = g * x[c];
+        const S* x = s + (f / K) * d;
+        S* y = o + r * d;
+        if (!w) {
+          std::copy(x, x + d, y);
+          continue;
+        }
+        const T g = load(w[f]);
+        for (int64_t c = 0; c < d; ++c) y[c] = store<S>(g * load(x[c]));
       }
     });
   });
@@ -73,25 +102,29 @@ at::Tensor rows_gather_sum(const at::Tensor& src, const at::Tensor& slot, int64_
   const int64_t F = slot.numel(), N = F / K, d = src.size(1), R = src.size(0);
   const at::Tensor* wt = weights(weight, src, F, "rows_gather_sum");
   at::Tensor out = at::empty({N, d}, src.options());
-  AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "rows_gather_sum", [&] {
-    using T = scalar_t;
-    const T* s = src.data_ptr<T>();
-    const T* w = wt ? wt->data_ptr<T>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, src.scalar_type(), "rows_gather_sum", [&] {
+    using S = scalar_t;
+    using T = Acc<S>;
+    const S* s = src.data_ptr<S>();
+    const S* w = wt ? wt->data_ptr<S>() : nullptr;
     const int64_t* sl = slot.data_ptr<int64_t>();
-    T* o = out.data_ptr<T>();
+    S* o = out.data_ptr<S>();
     at::parallel_for(0, N, 32, [&](int64_t b, int64_t e) {
+      std::vector<T> acc(d);  // the row's sum in T (fp32 for bf16 rows), stored once
       for (int64_t n = b; n < e; ++n) {
-        T* y = o + n * d;
+        T* y = acc.data();
         for (int64_t k = 0; k < K; ++k) {  // k in order: the first term is written, the others added
           const int64_t f = n * K + k, r = sl[f];
           TORCH_CHECK(r >= 0 && r < R, "rows_gather_sum: slot out of range");
-          const T* x = s + r * d;
-          const T g = w ? w[f] : T(1);
+          const S* x = s + r * d;
+          const T g = w ? load(w[f]) : T(1);
           if (k == 0)
-            for (int64_t c = 0; c < d; ++c) y[c] = g * x[c];
+            for (int64_t c = 0; c < d; ++c) y[c] = g * load(x[c]);
           else
-            for (int64_t c = 0; c < d; ++c) y[c] += g * x[c];
+            for (int64_t c = 0; c < d; ++c) y[c] += g * load(x[c]);
         }
+        S* out_row = o + n * d;
+        for (int64_t c = 0; c < d; ++c) out_row[c] = store<S>(y[c]);
       }
     });
   });
@@ -105,23 +138,24 @@ at::Tensor rows_dot(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
   TORCH_CHECK(F == a.size(0) * K && b.size(1) == d && b.scalar_type() == a.scalar_type(),
               "rows_dot: a [N, d], b [R, d] of one dtype, slot [N * K]");
   at::Tensor out = at::empty({F}, a.options());
-  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "rows_dot", [&] {
-    using T = scalar_t;
-    const T *pa = a.data_ptr<T>(), *pb = b.data_ptr<T>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, a.scalar_type(), "rows_dot", [&] {
+    using S = scalar_t;
+    using T = Acc<S>;
+    const S *pa = a.data_ptr<S>(), *pb = b.data_ptr<S>();
     const int64_t* sl = slot.data_ptr<int64_t>();
-    T* o = out.data_ptr<T>();
+    S* o = out.data_ptr<S>();
     at::parallel_for(0, F, 64, [&](int64_t lo, int64_t hi) {
       for (int64_t f = lo; f < hi; ++f) {
         const int64_t r = sl[f];
         TORCH_CHECK(r >= 0 && r < R, "rows_dot: slot out of range");
-        const T *x = pa + (f / K) * d, *y = pb + r * d;
+        const S *x = pa + (f / K) * d, *y = pb + r * d;
         T acc[8] = {};  // eight partial sums: the loop vectorises without reassociating one chain
         int64_t c = 0;
         for (; c + 8 <= d; c += 8)
-          for (int u = 0; u < 8; ++u) acc[u] += x[c + u] * y[c + u];
+          for (int u = 0; u < 8; ++u) acc[u] += load(x[c + u]) * load(y[c + u]);
         T sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        for (; c < d; ++c) sum += x[c] * y[c];
-        o[f] = sum;
+        for (; c < d; ++c) sum += load(x[c]) * load(y[c]);
+        o[f] = store<S>(sum);
       }
     });
   });

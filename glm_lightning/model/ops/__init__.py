@@ -7,8 +7,9 @@ loaded, the op not switched off); ``thresholds.py`` holds every shape threshold 
 table of which form runs on this CPU (measured by ``python -m glm_lightning.model.ops.tune``, else the shipped
 defaults; put in force on import); ``backend.cpp_ops(False)`` switches the
 C++ ops off for a block (GLM_LIGHTNING_EXT=0 never loads them). ``mixed_precision.py`` is how the ops meet bf16 (GEMMs
-in bf16, native or emulated; every other op in fp32, cast at its boundary). ``decode.py`` is a cached fp32 decode
-step's backend decision, made once per step: the decode-only entries of a few ops call their C++ op directly.
+in bf16, native or emulated; attention in fp32; every other op in fp32, cast at its boundary, except the MoE's SwiGLU
+and row moves, whose C++ ops take bf16 with fp32 math). ``decode.py`` is a cached fp32 decode step's backend
+decision, made once per step: the decode-only entries of a few ops call their C++ op directly.
 
 | op | function | file |
 |---|---|---|
@@ -16,7 +17,7 @@ step's backend decision, made once per step: the decode-only entries of a few op
 | KDA's gated head norm | ``gated_head_norm`` | norm.py |
 | linear (x W^T + b); a decode's few-row matmuls on weights packed once per generation | ``linear``,
   ``packed_weights`` | matmul.py |
-| attention (SDPA), a batched product: bf16 GEMMs native or emulated | ``attention``, ``product`` | mixed_precision.py |
+| attention (SDPA; fp32 under bf16), a batched product (bf16 GEMM native or emulated) | ``attention``, ``product`` | mixed_precision.py |
 | Sinkhorn-Knopp | ``sinkhorn`` | mhc.py |
 | mHC stream read / write, site read | ``stream_read``, ``stream_write``, ``site_read`` | mhc.py |
 | KDA short conv + SiLU, features | ``short_conv``, ``kda_features`` | kda_inputs.py |

@@ -64,12 +64,12 @@ def cpp_forms(ops: Iterable[str]) -> frozenset[str]:
     return frozenset(op for op in ops if op not in _cpp_off)
 
 
-def takes(*tensors: torch.Tensor, fp64: bool = True, op: str | None = None) -> bool:
+def takes(*tensors: torch.Tensor, fp64: bool = True, op: str | None = None, bf16: bool = False) -> bool:
     """Whether the C++ op named ``op`` takes these tensors: all on the CPU, of one dtype, fp32 (or fp64 for the ops
-    that have an fp64 instantiation, for gradcheck), the library loaded, and the op not switched off by the op table
-    (choice.py). A decode step asks ~300 times: a plain loop."""
+    that have an fp64 instantiation, for gradcheck; or bf16 for those with a bf16 one, ``bf16``), the library loaded,
+    and the op not switched off by the op table (choice.py). A decode step asks ~300 times: a plain loop."""
     dtype = tensors[0].dtype
-    if dtype is not torch.float32 and not (fp64 and dtype is torch.float64):
+    if dtype is not torch.float32 and not (fp64 and dtype is torch.float64) and not (bf16 and dtype is torch.bfloat16):
         return False
     for t in tensors:
         if t.dtype is not dtype or not t.is_cpu:

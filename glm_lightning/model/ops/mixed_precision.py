@@ -2,15 +2,19 @@
 
 The policy, one rule per kind of op:
 
-- **GEMMs** (``linear``, the MoE experts, the attention products) compute in bf16 when autocast asks for bf16 or an
+- **GEMMs** (``linear``, the MoE experts, the indexer's products) compute in bf16 when autocast asks for bf16 or an
   operand is bf16: operands rounded to bf16, products accumulated in fp32, the output rounded to bf16, and the
   backward's GEMMs likewise (their grads bf16, cast to the fp32 master weights by autograd). Through :func:`mm`,
-  :func:`addmm`, :func:`bmm`, :func:`product` and :func:`attention`: with fp32 operands and autocast off they are the
-  plain torch calls (no extra dispatched op).
+  :func:`addmm`, :func:`bmm` and :func:`product`: with fp32 operands and autocast off they are the plain torch
+  calls (no extra dispatched op). Attention (:func:`attention`) computes in fp32 and gives bf16: torch's CPU bf16
+  SDPA is slower than its fp32 one.
 - **Everything else** (norm statistics, softmax, Sinkhorn and the mHC streams, the KDA conv, features, state
   recurrence and head norm, the MoE routing, the indexer's scores) computes in fp32: :func:`fp32_op` casts an op's
   bf16 inputs to fp32 at its boundary and runs it with autocast off, so the C++ ops (fp32 only) get fp32 and the
-  PyTorch forms' own products stay fp32. The losses take ``logits.float()``.
+  PyTorch forms' own products stay fp32. The losses take ``logits.float()``. Except the MoE's SwiGLU and row moves
+  (ops/moe.py), which sit between the experts' bf16 GEMMs: their C++ ops take bf16 and compute in fp32, each output
+  rounded to bf16 once (casting the padded [E, cap, 2h] batch to fp32 and back would cost more than the op; the eager
+  bf16 forms rounded after every op and took ~2x the fp32 C++ op's time).
 
 Which bf16 GEMM kernel runs is chosen here and only here (:func:`gemm_mode`): ``native`` is torch's bf16 kernel, what a
 CPU with bf16 dot-product instructions (avx512_bf16, amx_bf16; glm_lightning/precision.py) runs fast; ``emulated``
@@ -147,13 +151,18 @@ def product(a: Tensor, b: Tensor) -> Tensor:
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = False,
               gqa: bool = False) -> Tensor:
-    """``F.scaled_dot_product_attention`` (bool ``mask`` or ``causal``), in bf16 under the policy above: emulated, the
-    fp32 kernel on bf16-rounded q, k, v (fp32 softmax; native rounds the probabilities to bf16 before the second
-    product, emulation does not), the output rounded to bf16; differentiable either way."""
+    """``F.scaled_dot_product_attention`` (bool ``mask`` or ``causal``). Under bf16 (autocast, or a bf16 operand) it
+    runs torch's fp32 kernel on the fp32 values of q, k, v, whatever :func:`gemm_mode` says, and rounds the output to
+    bf16; differentiable. Why fp32: torch's CPU bf16 SDPA is no AMX kernel but a slower loop (flash-25m 32 x 128, 3
+    DSA layers, Intel Xeon AVX-512 + AMX, 1 thread: fwd + bwd 405 ms in bf16 against 114 ms in fp32), and its two
+    products are 1.5% of the step's FLOPs; the softmax was fp32 in either kernel. The grads reach bf16 operands as
+    bf16 (autograd's casts)."""
     if not lowp(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
-    return _bf16_gemm(lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=causal,
-                                                                       enable_gqa=gqa), q, k, v)
+    with _autocast_off():
+        y = F.scaled_dot_product_attention(_f32(q), _f32(k), _f32(v), attn_mask=mask, is_causal=causal,
+                                           enable_gqa=gqa)
+    return y.to(BF16)
 
 
 # --- the fp32 ops ---------------------------------------------------------------------------------------------------

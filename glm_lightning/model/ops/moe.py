@@ -31,7 +31,7 @@ def _f32(t: Tensor) -> Tensor:
 
 def _swiglu_cpp(hgu: Tensor) -> bool:
     """Whether SwiGLU runs as the C++ ops of csrc/swiglu.cpp for hgu."""
-    return hgu.is_contiguous() and backend.takes(hgu, op="swiglu")
+    return hgu.is_contiguous() and backend.takes(hgu, op="swiglu", bf16=True)
 
 
 def _swiglu_act(hgu: Tensor) -> Tensor:
@@ -73,7 +73,7 @@ def _token_gates(w: Tensor, dtype: torch.dtype) -> Tensor:
 def _rows_scatter(src: Tensor, slot: Tensor, K: int, scale: Tensor | None, rows: int) -> Tensor:
     """[rows, d] zeros with row slot[f] = scale[f] * src[f // K] (slot, scale [N * K] in token order): one pass with the
     C++ ops (csrc/moe_rows.cpp), else repeat_interleave, product and index_copy_."""
-    if backend.takes(src, *(() if scale is None else (scale,)), op="rows_scatter"):
+    if backend.takes(src, *(() if scale is None else (scale,)), op="rows_scatter", bf16=True):
         return torch.ops.glm_lightning.rows_scatter(src.contiguous(), slot, K, scale, rows)
     rep = src.repeat_interleave(K, dim=0)
     return src.new_zeros(rows, src.shape[-1]).index_copy_(0, slot, rep if scale is None else rep * scale[:, None])
@@ -82,7 +82,7 @@ def _rows_scatter(src: Tensor, slot: Tensor, K: int, scale: Tensor | None, rows:
 def _rows_gather_sum(src: Tensor, slot: Tensor, K: int, weight: Tensor | None) -> Tensor:
     """[N, d] with row n = sum_k weight[n K + k] * src[slot[n K + k]], k in order: one pass with the C++ ops, else
     index_select, product and sum."""
-    if backend.takes(src, *(() if weight is None else (weight,)), op="rows_gather_sum"):
+    if backend.takes(src, *(() if weight is None else (weight,)), op="rows_gather_sum", bf16=True):
         return torch.ops.glm_lightning.rows_gather_sum(src.contiguous(), slot, K, weight)
     rows = src.index_select(0, slot).view(-1, K, src.shape[-1])
     return (rows if weight is None else rows * weight.view(-1, K, 1)).sum(1)
@@ -90,7 +90,7 @@ def _rows_gather_sum(src: Tensor, slot: Tensor, K: int, weight: Tensor | None) -
 
 def _rows_dot(a: Tensor, b: Tensor, slot: Tensor, K: int) -> Tensor:
     """[N * K] with entry f = <a[f // K], b[slot[f]]>: one pass with the C++ ops, else gather, product and sum."""
-    if backend.takes(a, b, op="rows_dot"):
+    if backend.takes(a, b, op="rows_dot", bf16=True):
         return torch.ops.glm_lightning.rows_dot(a.contiguous(), b.contiguous(), slot, K)
     return (a.repeat_interleave(K, dim=0) * b.index_select(0, slot)).sum(-1)
 
