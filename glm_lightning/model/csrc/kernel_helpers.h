@@ -89,7 +89,7 @@ inline T dot_(const T* __restrict u, const T* __restrict v, int64_t K) {
 }
 
 // bf16 storage with fp32 math, for the ops that take bf16 tensors (bf16-mixed training: the MoE's SwiGLU and row
-// moves between its bf16 GEMMs). Acc<S> is the type an op computes in for storage S; load widens exactly, store
+// moves between its bf16 GEMMs). Acc<S> is the type an op computes in for storage S; widen is exact, narrow
 // rounds to nearest even (NaN kept a NaN), both plain bit operations the compiler vectorises.
 template <typename S>
 struct AccOf { using type = S; };
@@ -98,9 +98,9 @@ struct AccOf<at::BFloat16> { using type = float; };
 template <typename S>
 using Acc = typename AccOf<S>::type;
 
-inline float load(float x) { return x; }
-inline double load(double x) { return x; }
-inline float load(at::BFloat16 x) {
+inline float widen(float x) { return x; }
+inline double widen(double x) { return x; }
+inline float widen(at::BFloat16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof(f));
@@ -108,9 +108,9 @@ inline float load(at::BFloat16 x) {
 }
 
 template <typename S>
-inline S store(Acc<S> x) { return x; }
+inline S narrow(Acc<S> x) { return x; }
 template <>
-inline at::BFloat16 store<at::BFloat16>(float x) {
+inline at::BFloat16 narrow<at::BFloat16>(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;

@@ -30,8 +30,8 @@
 namespace moe_rows {  // named: the unity build puts every source in one translation unit
 
 using glm_lightning_ops::Acc;
-using glm_lightning_ops::load;
-using glm_lightning_ops::store;
+using glm_lightning_ops::widen;
+using glm_lightning_ops::narrow;
 
 void check(const at::Tensor& x, const at::Tensor& slot, int64_t K, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": rows must be a contiguous [rows, d]");
@@ -88,8 +88,8 @@ at::Tensor rows_scatter(const at::Tensor& src, const at::Tensor& slot, int64_t K
           std::copy(x, x + d, y);
           continue;
         }
-        const T g = load(w[f]);
-        for (int64_t c = 0; c < d; ++c) y[c] = store<S>(g * load(x[c]));
+        const T g = widen(w[f]);
+        for (int64_t c = 0; c < d; ++c) y[c] = narrow<S>(g * widen(x[c]));
       }
     });
   });
@@ -117,14 +117,14 @@ at::Tensor rows_gather_sum(const at::Tensor& src, const at::Tensor& slot, int64_
           const int64_t f = n * K + k, r = sl[f];
           TORCH_CHECK(r >= 0 && r < R, "rows_gather_sum: slot out of range");
           const S* x = s + r * d;
-          const T g = w ? load(w[f]) : T(1);
+          const T g = w ? widen(w[f]) : T(1);
           if (k == 0)
-            for (int64_t c = 0; c < d; ++c) y[c] = g * load(x[c]);
+            for (int64_t c = 0; c < d; ++c) y[c] = g * widen(x[c]);
           else
-            for (int64_t c = 0; c < d; ++c) y[c] += g * load(x[c]);
+            for (int64_t c = 0; c < d; ++c) y[c] += g * widen(x[c]);
         }
         S* out_row = o + n * d;
-        for (int64_t c = 0; c < d; ++c) out_row[c] = store<S>(y[c]);
+        for (int64_t c = 0; c < d; ++c) out_row[c] = narrow<S>(y[c]);
       }
     });
   });
@@ -152,10 +152,10 @@ at::Tensor rows_dot(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
         T acc[8] = {};  // eight partial sums: the loop vectorises without reassociating one chain
         int64_t c = 0;
         for (; c + 8 <= d; c += 8)
-          for (int u = 0; u < 8; ++u) acc[u] += load(x[c + u]) * load(y[c + u]);
+          for (int u = 0; u < 8; ++u) acc[u] += widen(x[c + u]) * widen(y[c + u]);
         T sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        for (; c < d; ++c) sum += load(x[c]) * load(y[c]);
-        o[f] = store<S>(sum);
+        for (; c < d; ++c) sum += widen(x[c]) * widen(y[c]);
+        o[f] = narrow<S>(sum);
       }
     });
   });

@@ -22,8 +22,8 @@ namespace {
 
 using glm_lightning_ops::Acc;
 using glm_lightning_ops::exp_;
-using glm_lightning_ops::load;
-using glm_lightning_ops::store;
+using glm_lightning_ops::widen;
+using glm_lightning_ops::narrow;
 
 void check_swiglu(const at::Tensor& hgu) {
   TORCH_CHECK(hgu.dim() >= 1 && hgu.size(-1) % 2 == 0 && hgu.is_contiguous(),
@@ -48,8 +48,8 @@ at::Tensor swiglu(const at::Tensor& hgu) {
         const S *g = hp + r * 2 * h, *u = g + h;
         S* ar = ap + r * h;
         for (int64_t c = 0; c < h; ++c) {
-          const T gc = load(g[c]);
-          ar[c] = store<S>(gc / (T(1) + exp_(-gc)) * load(u[c]));
+          const T gc = widen(g[c]);
+          ar[c] = narrow<S>(gc / (T(1) + exp_(-gc)) * widen(u[c]));
         }
       }
     });
@@ -76,14 +76,14 @@ inline void backward_bf16_chunk(const at::BFloat16* g, const at::BFloat16* u, co
                                 at::BFloat16* dg, at::BFloat16* du, int64_t n) {
   float g32[kChunk], u32[kChunk], d32[kChunk], dg32[kChunk], du32[kChunk];
   for (int64_t c = 0; c < n; ++c) {
-    g32[c] = load(g[c]);
-    u32[c] = load(u[c]);
-    d32[c] = load(d[c]);
+    g32[c] = widen(g[c]);
+    u32[c] = widen(u[c]);
+    d32[c] = widen(d[c]);
   }
   backward_span<float>(g32, u32, d32, dg32, du32, n);
   for (int64_t c = 0; c < n; ++c) {
-    dg[c] = store<at::BFloat16>(dg32[c]);
-    du[c] = store<at::BFloat16>(du32[c]);
+    dg[c] = narrow<at::BFloat16>(dg32[c]);
+    du[c] = narrow<at::BFloat16>(du32[c]);
   }
 }
 
