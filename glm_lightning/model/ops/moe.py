@@ -11,6 +11,9 @@ replayed as ~80 ops; this is ~10 forward and ~15 backward). Two variants compute
 with unequal loads run each expert on its own segment (:class:`_SegmentExperts`, no padding), and decoding a few rows
 runs the padded batch through ``small_matmul`` (:func:`_experts_small`). The row moves are one C++ pass each when the
 ops take the tensors (csrc/moe_rows.cpp), else index_select / index_copy_ and products.
+
+Decoding: inside an fp32 decode step the whole layer (router, routing, experts, shared expert) is one C++ op
+(:func:`moe_decode`, csrc/moe_decode.cpp), the same kernels in the same order as the ops one by one.
 """
 
 from __future__ import annotations
