@@ -15,6 +15,8 @@ The earlier forms are kept here only, as patches of the current code:
   ``rotary_one``.
 - ``linear: checks per call``: the decode's few-row linears through linear's general entry (fp32 wrapper, autocast,
   operand dtypes, grad, library asked per call) before the same panel_matmul, instead of its decode entry.
+- ``MoE: ops one by one``: each MoE layer as its ops (router linear, sigmoid, routing, experts, shared expert: ~10
+  dispatched ops with Python between them), instead of the one op ``moe_decode``.
 - ``ops' entries per call``: every op through its general entry (autocast, dtype, library, op table and grad asked
   per call), instead of the decode step's direct C++ calls decided once per step (ops/decode.py).
 - ``all of the above (f645ffb)``: every earlier form at once, with the mHC sites' parameters read through nn.Module
@@ -89,6 +91,7 @@ FORMS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
                                       _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "site_read"))),
     "RoPE: eager": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "rotary")),
     "linear: checks per call": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "linear")),
+    "MoE: ops one by one": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "moe_decode")),
     "ops' entries per call": lambda: _patched(decode, "OPS", ()),
     "all of the above (f645ffb)": lambda: _both(
         _patched(mhc_ops, "_site_read_no_grad", _site_read_two_ops), _patched(decode, "OPS", ()),

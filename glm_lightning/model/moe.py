@@ -72,6 +72,11 @@ class MoE(nn.Module):
         ``want_aux``: decoding with a cache skips it, ~29 dispatched ops per layer and token that nothing reads)."""
         B, T, d = x.shape
         xf = x.reshape(B * T, d)
+        if not want_aux:  # a decode step: the whole layer as one op where it takes the tensors
+            y = ops.moe_decode(xf, self.router_weight, self.expert_bias, self.top_k, self.routed_scaling,
+                               self.w_gate_up, self.w_down, self.shared_gate_up, self.shared_down)
+            if y is not None:
+                return y.view(B, T, d), self._no_aux
         weight = self.balance_loss_weight if want_aux and B * T > 0 else 0.0
         w, aux, idx, counts, rows = ops.moe_route(self._scores(xf), self.expert_bias, self.top_k, self.routed_scaling,
                                                   B, weight)

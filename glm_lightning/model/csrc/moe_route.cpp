@@ -39,6 +39,10 @@ std::pair<T, T> balance_sums(const T* sn, const T* cb, int64_t E) {
   return {S, dot};
 }
 
+}  // namespace
+
+namespace moe_route_ops {  // named: moe_decode.cpp calls it as a C++ function (no dispatch per call)
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route(
     const at::Tensor& s_in, const at::Tensor& bias_in, int64_t K, double scale, int64_t B, double alpha) {
   TORCH_CHECK(s_in.dim() == 2, "s must be [N, E]");
@@ -110,6 +114,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {w, aux, idx, counts, pos, slot, coef};
 }
 
+}  // namespace moe_route_ops
+
+namespace {
+
 at::Tensor moe_route_backward(const at::Tensor& dw_in, const at::Tensor& daux, const at::Tensor& s_in,
                               const at::Tensor& idx_in, const at::Tensor& coef_in, double scale) {
   const at::Tensor s = s_in.contiguous(), idx = idx_in.contiguous(), dw = dw_in.contiguous(),
@@ -161,6 +169,6 @@ TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
 }
 
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
-  m.impl("moe_route", &moe_route);
+  m.impl("moe_route", &moe_route_ops::moe_route);
   m.impl("moe_route_backward", &moe_route_backward);
 }

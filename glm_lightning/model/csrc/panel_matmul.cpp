@@ -217,6 +217,10 @@ void run_tasks(const float* xp, const W* pp, float* yp, const float* bp, const i
   });
 }
 
+}  // namespace
+
+namespace panel_ops {  // named: moe_decode.cpp calls it as a C++ function (no dispatch per call)
+
 // A view's own contiguity: `contiguous()` is free when it already is (no dispatch), and the sizes are read from the
 // tensor as given (no unsqueeze: each view is a dispatched op, and a decode step makes ~130 of these calls).
 at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& P_in, int64_t out,
@@ -259,7 +263,7 @@ at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& P_in, int64_t 
   return y;
 }
 
-}  // namespace
+}  // namespace panel_ops
 
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("panel_pack(Tensor W, ScalarType? dtype=None) -> Tensor");
@@ -268,5 +272,5 @@ TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
 
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
   m.impl("panel_pack", &panel_pack);
-  m.impl("panel_matmul", &panel_matmul);
+  m.impl("panel_matmul", &panel_ops::panel_matmul);
 }

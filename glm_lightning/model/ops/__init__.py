@@ -24,7 +24,7 @@ decision, made once per step: the decode-only entries of a few ops call their C+
 | KDA over T tokens (training, prefill): conv, features, core, head norm | ``kda_sequence`` | kda_sequence.py |
 | KDA core (the gated delta rule over T tokens) | ``kda_core`` (chunked form: ``kda_chunked``) | kda_recurrent.py, kda_chunkwise.py |
 | KDA decode step | ``kda_decode_step`` | kda_decode.py |
-| MoE routing, experts, shared expert | ``moe_route``, ``moe_experts``, ``swiglu_mlp`` | moe.py |
+| MoE routing, experts, shared expert | ``moe_route``, ``moe_experts``, ``swiglu_mlp``, ``moe_decode`` | moe.py |
 | DSA indexer scores, top-k, decode attention | ``index_scores``, ``topk_mask``, ``topk_select``, ``decode_attention``,
   ``single_query_attention`` | dsa.py |
 """
@@ -41,12 +41,12 @@ from glm_lightning.model.ops.kda_sequence import kda_sequence
 from glm_lightning.model.ops.matmul import linear
 from glm_lightning.model.ops.mixed_precision import attention, bf16_gemm, gemm_mode, product
 from glm_lightning.model.ops.mhc import site_read, sinkhorn, stream_read, stream_write
-from glm_lightning.model.ops.moe import moe_experts, moe_route, swiglu_mlp
+from glm_lightning.model.ops.moe import moe_decode, moe_experts, moe_route, swiglu_mlp
 from glm_lightning.model.ops.norm import gated_head_norm, rms_norm
 
 __all__ = ["attention", "bf16_gemm", "cpp_loaded", "cpp_ops", "decode_attention", "fill_empty_rows", "gated_head_norm", "index_scores",
            "gemm_mode", "kda_chunked", "kda_core", "kda_decode_step", "kda_features", "kda_sequence", "linear", "product",
-           "moe_experts", "moe_route",
+           "moe_decode", "moe_experts", "moe_route",
            "reference", "rms_norm", "short_conv", "single_query_attention", "sinkhorn", "site_read", "stream_read",
            "stream_write", "swiglu_mlp", "topk_mask", "topk_select"]
 

@@ -21,8 +21,11 @@ import torch
 
 from glm_lightning.model.ops import backend
 
-OPS = ("rms_norm", "site_read", "stream_write", "kda_decode_step", "moe_route", "rotary", "linear")
+OPS = ("rms_norm", "site_read", "stream_write", "kda_decode_step", "moe_route", "rotary", "linear", "moe_decode")
 """The ops with a decode-only entry (by the names they pass to ``backend.takes``)."""
+
+PARTS = {"moe_decode": ("linear", "moe_route", "swiglu", "rows_scatter", "rows_gather_sum")}
+"""The ops whose kernels a fused decode op calls: it is on only where all of them are (same values as their path)."""
 
 _on: frozenset[str] = frozenset()
 """The ops of OPS whose C++ form the decode step in progress calls directly; empty outside one."""
@@ -34,11 +37,17 @@ def fp32_step(active: bool) -> Iterator[None]:
     ops whose C++ form is on call it directly. Outside autocast only (under it the ops cast at their boundary)."""
     global _on
     before = _on
-    _on = backend.cpp_forms(OPS) if active and not torch.is_autocast_enabled("cpu") else frozenset()
+    _on = _cpp_forms() if active and not torch.is_autocast_enabled("cpu") else frozenset()
     try:
         yield
     finally:
         _on = before
+
+
+def _cpp_forms() -> frozenset[str]:
+    """The ops of OPS whose C++ form is on, a fused op only with all its PARTS."""
+    on = backend.cpp_forms((*OPS, *(p for parts in PARTS.values() for p in parts)))
+    return frozenset(op for op in OPS if op in on and on.issuperset(PARTS.get(op, ())))
 
 
 def cpp(op: str) -> bool:

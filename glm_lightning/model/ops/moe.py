@@ -11,6 +11,9 @@ replayed as ~80 ops; this is ~10 forward and ~15 backward). Two variants compute
 with unequal loads run each expert on its own segment (:class:`_SegmentExperts`, no padding), and decoding a few rows
 runs the padded batch through ``small_matmul`` (:func:`_experts_small`). The row moves are one C++ pass each when the
 ops take the tensors (csrc/moe_rows.cpp), else index_select / index_copy_ and products.
+
+Decoding: inside an fp32 decode step the whole layer (router, routing, experts, shared expert) is one C++ op
+(:func:`moe_decode`, csrc/moe_decode.cpp), the same kernels in the same order as the ops one by one.
 """
 
 from __future__ import annotations
@@ -304,6 +307,30 @@ def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Te
             and backend.takes(x, w_gate_up, fp64=False)):
         return _experts_small(x, w, w_gate_up, w_down, slot, cap, counts_t)
     return _GroupedExperts.apply(x, w, w_gate_up, w_down, slot, cap)
+
+
+def moe_decode(x: Tensor, router_weight: Tensor, bias: Tensor, top_k: int, scale: float, w_gate_up: Tensor,
+               w_down: Tensor, shared_gate_up: Tensor | None, shared_down: Tensor | None) -> Tensor | None:
+    """Inside an fp32 decode step (ops/decode.py) with packed weights: the whole MoE layer without its balance loss,
+    y = moe_experts(route(sigmoid(x W_r^T))) + swiglu_mlp(x), for flat tokens x [N, d] as one C++ op
+    (csrc/moe_decode.cpp: the kernels of the ops' path in their order, as C++ calls, so the same values bit for bit;
+    ~10 dispatched ops and their Python per layer before). None where that path would not take these tensors: the
+    caller then runs the ops one by one."""
+    if not decode.cpp("moe_decode") or matmul._packs is None:
+        return None
+    N, f32 = x.shape[0], torch.float32
+    if not (0 < N <= thresholds.SMALL_ROWS and N <= thresholds.SMALL_TOKENS and N < thresholds.SEGMENT_TOKENS):
+        return None
+    if x.dtype is not f32 or router_weight.dtype is not f32 or w_gate_up.dtype is not f32 or w_down.dtype is not f32:
+        return None
+    shared = shared_gate_up is not None and shared_down is not None
+    if shared and (shared_gate_up.dtype is not f32 or shared_down.dtype is not f32):
+        return None
+    packed = matmul.packed
+    return torch.ops.glm_lightning.moe_decode(
+        x, packed(router_weight), router_weight.shape[0], bias, top_k, scale, packed(w_gate_up), w_gate_up.shape[1],
+        packed(w_down), packed(shared_gate_up) if shared else None, shared_gate_up.shape[0] if shared else 0,
+        packed(shared_down) if shared else None)
 
 
 def swiglu_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
