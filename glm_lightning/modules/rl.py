@@ -222,7 +222,8 @@ class RLModule(StageModule):
                                                  lc.clip_eps_high)
             loss = aggregate_loss(tok_loss, m, lc.aggregation, batch.normalizer)
             share = float(m.sum()) / max(batch.n_tokens, 1.0)
-            self.manual_backward(loss + aux * share)
+            with torch.autocast(self.device.type, enabled=False):  # as automatic optimization runs it: outside
+                self.manual_backward(loss + aux * share)  # the autocast of training_step (bf16-mixed)
             mf = m.float()
             sums["loss"] += float(loss.detach())
             sums["aux_loss"] += float(aux.detach()) * share

@@ -39,6 +39,8 @@ class _KDAFeaturesCpp(torch.autograd.Function):
         return q, k, y.view(B, T, 3 * H, K)[:, :, 2 * H:], g.view(B, T, H, K), beta.view(B, T, H)
 
     @staticmethod
+
+    @mp.autocast_off_backward
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, dg: Tensor, dbeta: Tensor):  # type: ignore[override]
         y, f, beta, a, rescale = ctx.saved_tensors
         dy, df, db, dA = torch.ops.glm_lightning.kda_features_backward(dq, dk, dv, dg, dbeta, y, f, beta, a, rescale,
@@ -78,6 +80,8 @@ class _ShortConvCpp(torch.autograd.Function):
         return torch.ops.glm_lightning.short_conv_silu(x, weight.view(weight.shape[0], -1))
 
     @staticmethod
+
+    @mp.autocast_off_backward
     def backward(ctx, dy: Tensor):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         dx, dw = torch.ops.glm_lightning.short_conv_silu_backward(dy, x, weight.view(weight.shape[0], -1))

@@ -46,6 +46,8 @@ class _KDARecurrentCpp(torch.autograd.Function):
         return o, S_ckpt[:, -1].reshape(S0.shape).clone()
 
     @staticmethod
+
+    @mp.autocast_off_backward
     def backward(ctx, dO: Tensor, dS_last: Tensor):  # type: ignore[override]
         q, k, v, g, beta, S_ckpt = ctx.saved_tensors
         return torch.ops.glm_lightning.kda_recurrent_bwd(dO, dS_last, q, k, v, g, beta, S_ckpt, SEGMENT)

@@ -40,6 +40,7 @@ from torch import Tensor
 from glm_lightning import precision
 
 BF16 = torch.bfloat16
+_B = TypeVar("_B")
 MODES = ("native", "emulated")
 ENV = "GLM_LIGHTNING_BF16_GEMM"
 
@@ -107,6 +108,21 @@ def _autocast_off() -> Iterator[None]:
             yield
     else:
         yield
+
+
+def autocast_off_backward(backward: Callable[..., _B]) -> Callable[..., _B]:
+    """Run an op's autograd backward with autocast off, whatever the caller's state. Why: a backward called inside an
+    autocast region (a manual optimization's backward inside training_step, where Lightning's bf16-mixed autocast is
+    on) would otherwise autocast the backward's PyTorch GEMMs to bf16 and meet its fp32 tensors in the in-place ops
+    (``baddbmm_``: "Input dtypes must be the same"); the backwards pick their dtypes from their saved tensors, as in
+    a backward outside autocast (Lightning's automatic optimization)."""
+
+    @functools.wraps(backward)
+    def run(ctx: Any, *grads: Any) -> _B:
+        with _autocast_off():
+            return backward(ctx, *grads)
+
+    return run
 
 
 def _bf16_gemm(fn: Callable[..., Tensor], *operands: Tensor, out: Tensor | None = None) -> Tensor:
