@@ -33,6 +33,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -54,14 +55,8 @@ def _site_read_two_ops(x, phi, alpha, bias, alpha_index, gate_scale, gate_shift,
     return h.view(*lead, C), gates[:, n:].view(*lead, n), res.view(*lead, n, n)
 
 
-@contextlib.contextmanager
-def _patched(module: object, name: str, value: object) -> Iterator[None]:
-    before = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, before)
+_patched = mock.patch.object
+"""_patched(module, name, value): the attribute replaced for a block (the standard library's patcher)."""
 
 
 def _params_by_lookup(self: HyperConnection) -> tuple:

@@ -313,7 +313,8 @@ def test_rl_trainer_and_bf16_sampler_logprobs_agree_within_the_ppo_clip():
     policy loss computes for the same tokens (fp32, and under bf16 autocast with the fp32 weights) agree within
     log(1.2) = 0.18 per token, the PPO clip range (ratios outside [0.8, 1.2] would be clipped), and within 0.03 on
     average. Measured on this tiny model (embedding scaled 8x so that its logits are far from uniform): max 0.115 and
-    mean 0.014 (fp32), max 0.117 and mean 0.015 (bf16-mixed). The loss does not correct for the gap (its old
+    mean 0.014 (fp32), max 0.117 and mean 0.015 (bf16-mixed); with the weight-only bf16 copy (fp32 activations, bf16
+    panels) max 0.114 and mean 0.015 (fp32), max 0.116 and mean 0.015 (bf16-mixed). The loss does not correct for the gap (its old
     log-probs are the trainer's own, RL's `train/logprob_gap` logs it)."""
     model = _tiny(max_seq_len=96)
     with torch.no_grad():

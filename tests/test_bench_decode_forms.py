@@ -1,0 +1,22 @@
+"""benchmarks/bench_decode_forms.py keeps each earlier form of the decode step as a patch: each patch must still take
+effect (a form that silently ran the current code would report a speed-up of 1.0x for nothing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import bench_decode_forms
+from glm_lightning.model import cext
+
+pytestmark = pytest.mark.skipif(not cext.available(), reason="the decode forms compare C++ entries")
+
+
+def test_every_earlier_form_dispatches_more_ops_than_the_current_step():
+    res = bench_decode_forms.run(rounds=1, rows=2, prompt_len=8)
+    assert set(res) == set(bench_decode_forms.FORMS)
+    current = res["current"]["ops"]
+    python_only = {"current", "linear: checks per call"}  # the same ATen ops, more Python per call
+    for name, r in res.items():
+        assert r["ms"] > 0 and r["min_ms"] <= r["ms"]
+        assert r["ops"] == current if name in python_only else r["ops"] > current, (name, r["ops"], current)
+    assert res["all of the above (f645ffb)"]["ops"] == max(r["ops"] for r in res.values())
