@@ -28,3 +28,16 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def few_row_matmul_case(shape: tuple[int, int, int, int]) -> tuple:
+    """(x [E, M, in], W [E, out, in], bias [E, out], counts [E]) for the few-row matmul ops (small_matmul,
+    panel_matmul): counts cover 0..M (the first matrix full, the last empty), seeded."""
+    E, M, n_in, n_out = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(E, M, n_in, generator=gen)
+    W = torch.randn(E, n_out, n_in, generator=gen) * n_in ** -0.5
+    bias = torch.randn(E, n_out, generator=gen)
+    counts = torch.arange(E) if E > M else torch.randint(0, M + 1, (E,), generator=gen)
+    counts[0], counts[-1] = M, 0
+    return x, W, bias, counts

@@ -12,6 +12,8 @@ from glm_lightning.model.moe import MoE
 from glm_lightning.model.ops import moe as moe_mod
 from glm_lightning.model.ops import reference, thresholds
 
+from conftest import few_row_matmul_case
+
 
 def small_cfg(**kw) -> GLMConfig:
     base = dict(d_model=16, n_heads=2, n_kv_heads=2, n_experts=4, moe_top_k=2, expert_hidden=12, shared_expert_hidden=8,
@@ -244,12 +246,7 @@ def test_small_matmul_equals_bmm_on_the_real_rows(shape):
     rows and writes zeros on the padding rows, for sizes on and off its 16-float lanes and 4-row blocks (the last
     shape has every count 0..9, so every leading block size); counts None takes every row."""
     E, M, n_in, n_out = shape
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(E, M, n_in, generator=gen)
-    W = torch.randn(E, n_out, n_in, generator=gen) * n_in ** -0.5
-    bias = torch.randn(E, n_out, generator=gen)
-    counts = torch.arange(E) if E > M else torch.randint(0, M + 1, (E,), generator=gen)
-    counts[0], counts[-1] = M, 0
+    x, W, bias, counts = few_row_matmul_case(shape)
     ref = torch.bmm(x, W.transpose(1, 2))
     for b in (None, bias):
         y = torch.ops.glm_lightning.small_matmul(x, W, counts, b)

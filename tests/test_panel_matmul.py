@@ -10,6 +10,8 @@ from glm_lightning.generation import generate, generate_naive
 from glm_lightning.model import GLMConfig, GLMModel, cext
 from glm_lightning.model.ops import matmul, thresholds
 
+from conftest import few_row_matmul_case
+
 pytestmark = pytest.mark.skipif(not cext.available(), reason="C++ ops not available")
 
 
@@ -19,12 +21,7 @@ def test_panel_matmul_equals_bmm_on_the_real_rows(shape):
     panel width (ragged last panels), every row count 0..20 (the last shape: each register tile and its ragged
     edges); counts None takes every row; the one-matrix form [M, in] x P [panels, in, L] as well."""
     E, M, n_in, n_out = shape
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(E, M, n_in, generator=gen)
-    W = torch.randn(E, n_out, n_in, generator=gen) * n_in ** -0.5
-    bias = torch.randn(E, n_out, generator=gen)
-    counts = torch.arange(E) if E > M else torch.randint(0, M + 1, (E,), generator=gen)
-    counts[0], counts[-1] = M, 0
+    x, W, bias, counts = few_row_matmul_case(shape)
     P = torch.ops.glm_lightning.panel_pack(W)
     assert P.shape[:3] == (E, -(-n_out // P.shape[-1]), n_in)
     ref = torch.bmm(x.double(), W.double().transpose(1, 2))

@@ -160,7 +160,6 @@ class _KDAChunked(torch.autograd.Function):
         return _from_chunks(o, B, H, T), S_all[N].view(B, H, K, V).clone()
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, dO: Tensor, dS_last: Tensor):  # type: ignore[override]
         q, k, beta, Gam, e_row, e_col, kr, qr, kcol, M, A, Aqk, VK, UW, dec, k_dec, Q_eff, P, S_all = ctx.saved_tensors

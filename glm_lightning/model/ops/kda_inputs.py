@@ -39,7 +39,6 @@ class _KDAFeaturesCpp(torch.autograd.Function):
         return q, k, y.view(B, T, 3 * H, K)[:, :, 2 * H:], g.view(B, T, H, K), beta.view(B, T, H)
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, dg: Tensor, dbeta: Tensor):  # type: ignore[override]
         y, f, beta, a, rescale = ctx.saved_tensors
@@ -80,7 +79,6 @@ class _ShortConvCpp(torch.autograd.Function):
         return torch.ops.glm_lightning.short_conv_silu(x, weight.view(weight.shape[0], -1))
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, dy: Tensor):  # type: ignore[override]
         x, weight = ctx.saved_tensors

@@ -46,7 +46,6 @@ class _KDARecurrentCpp(torch.autograd.Function):
         return o, S_ckpt[:, -1].reshape(S0.shape).clone()
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, dO: Tensor, dS_last: Tensor):  # type: ignore[override]
         q, k, v, g, beta, S_ckpt = ctx.saved_tensors

@@ -43,7 +43,6 @@ class _Linear(torch.autograd.Function):
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:  # type: ignore[override]
         x2, weight = ctx.saved_tensors

@@ -45,7 +45,6 @@ class _Sinkhorn(torch.autograd.Function):
         return m.permute(2, 0, 1).contiguous()  # a strided res would send bmm to its slow path
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
         soft, m, *dens = ctx.saved_tensors
@@ -71,7 +70,6 @@ class _SinkhornCpp(torch.autograd.Function):
         return out
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None]:  # type: ignore[override]
         (soft,) = ctx.saved_tensors
@@ -99,7 +97,6 @@ class _StreamReadCpp(torch.autograd.Function):
         return torch.ops.glm_lightning.stream_read(pre, x)
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         return torch.ops.glm_lightning.stream_read_backward(grad, *ctx.saved_tensors)
@@ -122,7 +119,6 @@ class _StreamWriteCpp(torch.autograd.Function):
         return torch.ops.glm_lightning.stream_write(res, x, post, y)
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, grad: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
         return torch.ops.glm_lightning.stream_write_backward(grad, *ctx.saved_tensors)
@@ -179,7 +175,6 @@ class _SiteReadCpp(torch.autograd.Function):
         return h, gates[:, n:], res
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, dh: Tensor, dpost: Tensor, dres: Tensor):  # type: ignore[override]
         x, phi, alpha, alpha_e, alpha_index, gate_scale, inv_rms, raw, sig, gates, res_soft = ctx.saved_tensors

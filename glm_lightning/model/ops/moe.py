@@ -64,7 +64,6 @@ class _SwiGLU(torch.autograd.Function):
         return _swiglu_act(hgu)
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, da: Tensor) -> Tensor:  # type: ignore[override]
         return _swiglu_act_backward(da, ctx.saved_tensors[0])
@@ -127,7 +126,6 @@ class _GroupedExperts(torch.autograd.Function):
         return _rows_gather_sum(y_pad, slot, K, gates)
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, dy: Tensor):  # type: ignore[override]
         xs, hgu, a, y_pad, gates, w_gate_up, w_down, slot = ctx.saved_tensors
@@ -182,7 +180,6 @@ class _SegmentExperts(torch.autograd.Function):
         return _rows_gather_sum(ys, pos, w.shape[-1], gates)
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, dy: Tensor):  # type: ignore[override]
         xs, hgu, ys, gates, w_gate_up, w_down, pos, *a_e = ctx.saved_tensors
@@ -226,7 +223,6 @@ class _Routing(torch.autograd.Function):
         return w, aux, idx, counts, pos, slot
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, dw: Tensor, daux: Tensor, *_: Tensor):  # type: ignore[override]
         s, idx, coef = ctx.saved_tensors

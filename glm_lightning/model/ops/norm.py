@@ -24,7 +24,6 @@ class _RMSNormCpp(torch.autograd.Function):
         return torch.ops.glm_lightning.rms_norm(x, weight, eps).view(x.shape)
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
         x, weight = ctx.saved_tensors
@@ -62,7 +61,6 @@ class _GatedHeadNormCpp(torch.autograd.Function):
         return torch.ops.glm_lightning.gated_head_norm(o, gate, weight, eps).view(B, T, H * K)
 
     @staticmethod
-
     @mp.autocast_off_backward
     def backward(ctx, dy: Tensor):  # type: ignore[override]
         o, gate, weight = ctx.saved_tensors
