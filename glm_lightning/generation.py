@@ -138,8 +138,9 @@ def _is_matrix(p: torch.Tensor) -> bool:
 def sampling_weights(model: torch.nn.Module, precision: str = "32") -> torch.nn.Module:
     """The model generation samples from: `model` itself for "32"; for "bf16" a copy whose matrices (parameters of
     2 or more dims) hold their bf16-rounded values (stored as fp32) and whose vectors and buffers are `model`'s, kept
-    per model and refreshed when a parameter changed since the last call (an optimizer step bumps every updated
-    parameter's version counter).
+    per model and refreshed when a parameter changed since the last call, as its version counter tells: an in-place
+    write bumps it, and so does the project's AdamW (optim.py) after its fused kernel; torch's own fused optimizers
+    write without bumping it, so whoever steps one calls :func:`weights_changed` (RL does after every step).
 
     Why fp32 storage: the copy computes in fp32 (activations, the fp32 C++ ops, no casts between ops) while its cached
     decode packs the matrices as bf16 panels (`decode_weights`, ops.matmul.packed: half the bytes a step streams,
@@ -162,6 +163,13 @@ def sampling_weights(model: torch.nn.Module, precision: str = "32") -> torch.nn.
             held[0] = key
     held[1].train(model.training)
     return held[1]
+
+
+def weights_changed(model: torch.nn.Module) -> None:
+    """Bump the version counter of every parameter of `model`: its weights were written in a way torch did not
+    count (a fused optimizer kernel writes through data pointers), and the caches keyed on the counters
+    (:func:`sampling_weights`' bf16 copy) must see it."""
+    torch.autograd.graph.increment_version(list(model.parameters()))
 
 
 def decode_cache(model: torch.nn.Module, batch: int, length: int) -> ModelCache:

@@ -102,7 +102,15 @@ class AdamW(torch.optim.AdamW):
         if not self._fast_path_ok(active):
             self._unshare_steps()
             super().step()
-            return loss
+        else:
+            self._fused_step(active)
+        # the fused kernel writes the parameters through their data pointers, which torch does not count: bump the
+        # version counters, so that a cache keyed on them (generation.sampling_weights' bf16 copy) sees the update
+        torch.autograd.graph.increment_version(active)
+        return loss
+
+    def _fused_step(self, active: list[Tensor]) -> None:
+        """torch._fused_adamw_ over each group's stepping parameters, their step counters shared (module docstring)."""
         fresh: list[Tensor] = []
         for p in active:
             if not self.state.get(p):
@@ -119,4 +127,3 @@ class AdamW(torch.optim.AdamW):
                                 [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
                                 lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                                 eps=group["eps"], amsgrad=False, maximize=False)
-        return loss

@@ -236,8 +236,14 @@ def test_bf16_mixed_fit_keeps_fp32_masters_and_fp32_reductions(stage, tmp_path, 
         real_backward = RLModule.manual_backward
         monkeypatch.setattr(RLModule, "manual_backward", lambda self, loss, *a, **kw: autocast_in_backward.append(
             torch.is_autocast_enabled("cpu")) or real_backward(self, loss, *a, **kw))
+    refreshed: list[int] = []
+    if stage == "rl":  # the bf16 sampling copy is told of every optimizer step, whatever the optimizer
+        from glm_lightning.modules import rl as rl_module
+        real_changed = rl_module.weights_changed
+        monkeypatch.setattr(rl_module, "weights_changed", lambda m: refreshed.append(1) or real_changed(m))
     bad = _spy_cpp_ops(monkeypatch) if cext.available() else []
     bf16 = _fit(conf, "bf16-mixed", 2, tmp_path / "bf16", *clip)
+    assert len(refreshed) == (2 if stage == "rl" else 0)
     assert autocast_in_backward == [] if stage != "rl" else (autocast_in_backward and not any(autocast_in_backward))
     assert len(bf16.losses) == 2 and all(map(torch.isfinite, map(torch.tensor, bf16.losses))), bf16.losses
     assert bf16.dtypes == {torch.float32}, bf16.dtypes
@@ -306,6 +312,28 @@ def test_bf16_sampling_copy_follows_the_weights():
     again = sampling_weights(model, "bf16")
     assert torch.equal(again.embed.weight, model.embed.weight.to(torch.bfloat16).float())
     assert not torch.equal(again.embed.weight, before)
+
+
+@pytest.mark.parametrize("optimizer", ["project", "torch-fused"])
+def test_bf16_sampling_copy_follows_an_optimizer_step(optimizer):
+    """A fused AdamW kernel writes the weights without bumping their version counters: the project's AdamW bumps them
+    itself, and after torch's fused AdamW `weights_changed` does (RL calls it after every step). Either way the next
+    generation samples from the stepped weights, not the copy made before the step."""
+    from glm_lightning.generation import weights_changed
+    from glm_lightning.optim import AdamW
+
+    model = _tiny()
+    copy16 = sampling_weights(model, "bf16")
+    stale = copy16.embed.weight.clone()
+    opt = AdamW(model.parameters(), lr=0.1) if optimizer == "project" else \
+        torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model(torch.randint(0, 200, (2, 8))).logits.square().mean().backward()
+    opt.step()
+    if optimizer == "torch-fused":
+        weights_changed(model)
+    again = sampling_weights(model, "bf16")
+    assert torch.equal(again.embed.weight, model.embed.weight.to(torch.bfloat16).float())
+    assert not torch.equal(again.embed.weight, stale)
 
 
 def test_rl_trainer_and_bf16_sampler_logprobs_agree_within_the_ppo_clip():

@@ -96,3 +96,17 @@ def test_unsupported_options_fall_back_to_torch():
 
 def test_keeps_the_class_name_lightning_logs():
     assert AdamW.__name__ == "AdamW" and issubclass(AdamW, torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("kw", [{}, {"amsgrad": True}], ids=["fused", "torch-fallback"])
+def test_a_step_bumps_the_version_of_every_updated_parameter(kw):
+    """torch's fused kernel writes through data pointers without bumping version counters (torch.optim.AdamW(fused=
+    True) leaves them as they were); ours bumps them, so caches keyed on them (generation.sampling_weights) see the
+    step. Parameters without a gradient keep theirs."""
+    params = _params()
+    opt = AdamW(_groups(params), lr=1e-2, **kw)
+    sum((p ** 2).sum() for p in params[1:]).backward()
+    before = [p._version for p in params]
+    opt.step()
+    assert params[0]._version == before[0]
+    assert all(p._version > v for p, v in zip(params[1:], before[1:]))

@@ -23,7 +23,7 @@ from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from glm_lightning.evaluation import VerifierSettings, completion_finished, verifier_jobs
-from glm_lightning.generation import generate
+from glm_lightning.generation import generate, weights_changed
 from glm_lightning.modules.base import StageModule
 from glm_lightning.modules.rl_budget import Budget, BudgetCounter
 from glm_lightning.rl.batch import UpdateBatch
@@ -238,6 +238,8 @@ class RLModule(StageModule):
         if self.hparams.grad_clip > 0:
             self.clip_gradients(opt, gradient_clip_val=self.hparams.grad_clip, gradient_clip_algorithm="norm")
         opt.step()
+        if self.sampling.precision != "32":  # any optimizer: the next rollouts must sample from the updated policy
+            weights_changed(self.model)
         sched = self.lr_schedulers()
         if sched is not None:
             sched.step()
