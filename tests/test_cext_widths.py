@@ -2,7 +2,8 @@
 4 with SSE or NEON), so every helper and kernel must work at each width. This AVX-512-or-not x86 machine can run the
 narrower x86 targets' code:
 
-- the lane helpers (sum, sums16; load_bf16 against the scalar shift) at every width, bit for bit against a scalar
+- the lane helpers (sum, sums16; load_bf16 against the scalar shift; transpose, store_bf16 against scalar
+  rounding) at every width, bit for bit against a scalar
   tree in the same order: a tiny program including lanes.h, compiled and run per target (~1 s each; for aarch64,
   compiled only where a cross compiler is);
 - every op of the library built for AVX2 (-march=haswell) and for SSE only (-march=x86-64-v2) against its PyTorch form
@@ -84,8 +85,36 @@ int check_bf16() {  // load_bf16: each lane the fp32 whose upper half is the bf1
   }
   return bad;
 }
+int check_transpose_and_store_bf16() {  // transpose: r[i][j] -> r[j][i]; store_bf16: nearest even, NaN -> 0x7FC0
+  std::mt19937 rng(3);
+  int bad = 0;
+  for (int rep = 0; rep < 50; ++rep) {
+    float raw[kLanes * kLanes], got[kLanes * kLanes];
+    for (auto& x : raw) {
+      uint32_t bits = rng();
+      if (rng() % 4 == 0) bits = (bits & 0xFFFF0000u) | 0x8000u;  // a tie: rounds to the even neighbour
+      std::memcpy(&x, &bits, sizeof x);  // any bits: signs, subnormals, inf, nan
+    }
+    Lanes<float>::Vec v[kLanes];
+    for (int i = 0; i < kLanes; ++i) v[i] = Lanes<float>::load(raw + i * kLanes);
+    Lanes<float>::transpose(v);
+    for (int i = 0; i < kLanes; ++i) Lanes<float>::store(got + i * kLanes, v[i]);
+    for (int i = 0; i < kLanes; ++i)
+      for (int j = 0; j < kLanes; ++j) bad += std::memcmp(&got[i * kLanes + j], &raw[j * kLanes + i], 4) != 0;
+    uint16_t h[kLanes];
+    store_bf16(h, v[0]);
+    for (int j = 0; j < kLanes; ++j) {
+      uint32_t u;
+      std::memcpy(&u, &got[j], 4);
+      const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+      const uint16_t want = nan ? 0x7FC0 : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+      bad += h[j] != want;
+    }
+  }
+  return bad;
+}
 int main() {
-  std::printf("%d %d %d\n", kLanes, check<float>() + check_bf16(), check<double>());
+  std::printf("%d %d %d\n", kLanes, check<float>() + check_bf16() + check_transpose_and_store_bf16(), check<double>());
   return 0;
 }
 """.replace("LANES_H", str(LANES_H))

@@ -175,3 +175,23 @@ def test_cached_generation_on_panels_equals_the_naive_loop(monkeypatch):
     assert calls, "the decode steps ran on packed weights"
     naive = generate_naive(model, prompt, max_new_tokens=8, eos_id=None)
     assert torch.equal(cached, naive)
+
+
+@pytest.mark.parametrize("shape", [(40, 37), (16, 16), (3, 5, 70), (1, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_pack_layout(shape, dtype):
+    """P[..., p, k, c] = W[..., p L + c, k] (zero past the last output), in the panels' dtype rounded as torch rounds
+    (nearest even), for ragged `out` and `in`, bf16 ties, and infinities and NaNs (a NaN stays a NaN)."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(*shape, generator=g) * 3
+    flat = W.view(-1)
+    flat[::7] = (flat[::7].to(torch.bfloat16).float().view(torch.int32) | 0x8000).view(torch.float32)  # ties
+    flat[1], flat[-1] = float("inf"), float("nan")
+    P = torch.ops.glm_lightning.panel_pack(W, dtype)
+    L = P.shape[-1]
+    out, inn = W.shape[-2], W.shape[-1]
+    padded = torch.zeros(*W.shape[:-2], P.shape[-3] * L, inn)
+    padded[..., :out, :] = W
+    want = padded.view(*W.shape[:-2], -1, L, inn).transpose(-1, -2).to(dtype)
+    assert P.dtype == dtype and P.shape == want.shape
+    assert torch.equal(P.isnan(), want.isnan()) and torch.equal(P.nan_to_num(), want.nan_to_num())

@@ -50,8 +50,26 @@ struct Lanes {
   // The sums of N vectors a[0..N-1] as one vector (lane i = sum(a[i]), bit for bit: lanes added in sum's order), N - 1
   // adds and 2 (N - 1) shuffles instead of N trees. (The name is from the 16-lane AVX-512 form: N vectors in general.)
   static Vec sums16(const Vec* a) { return reduce<N>(a); }
+  // The N x N block of N vectors r[0..N-1] (r[i] lane j = element (i, j)) transposed in place: log2 N rounds, each
+  // swapping the off-diagonal b x b sub-blocks of every 2b x 2b block (b = N/2, ..., 1) with two-source shuffles.
+  static void transpose(Vec* r) { transpose_round<N / 2>(r); }
 
  private:
+  template <int b>
+  static void transpose_round(Vec* r) {
+    for (int i = 0; i < N; ++i)
+      if ((i / b) % 2 == 0) swap_blocks<b>(r[i], r[i + b], std::make_integer_sequence<int, N>{});
+    if constexpr (b > 1) transpose_round<b / 2>(r);
+  }
+  // x keeps its even b-lane blocks and takes y's even blocks into its odd ones; y takes x's odd blocks into its even
+  // ones and keeps its odd blocks.
+  template <int b, int... I>
+  static void swap_blocks(Vec& x, Vec& y, std::integer_sequence<int, I...>) {
+    const Vec lo = __builtin_shufflevector(x, y, ((I / b) % 2 == 0 ? I : N + I - b)...);
+    const Vec hi = __builtin_shufflevector(x, y, ((I / b) % 2 == 0 ? I + b : N + I)...);
+    x = lo;
+    y = hi;
+  }
   // Lane i (< 2g) plus lane i + g, for g = N/2, ..., 1: lane 0 ends as the sum.
   template <int g, int... I>
   static Vec fold(const Vec& v, std::integer_sequence<int, I...> lanes) {
@@ -96,6 +114,19 @@ inline Lanes<float>::Vec load_bf16(const uint16_t* p) {
   Lanes<float>::Vec v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
+}
+
+// kLanes fp32 lanes rounded to bf16 (their bits) as c10::BFloat16 rounds: to nearest, ties to even; a NaN becomes the
+// quiet NaN 0x7FC0. Integer vector instructions on any target.
+inline void store_bf16(uint16_t* p, const Lanes<float>::Vec& v) {
+  typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t Word __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  Word w;
+  std::memcpy(&w, &v, sizeof(w));
+  const Word rounded = (w + (0x7FFFu + ((w >> 16) & 1u))) >> 16;
+  const Word nan = (Word)((w & 0x7FFFFFFFu) > 0x7F800000u);  // all ones where NaN
+  const Half h = __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), Half);
+  std::memcpy(p, &h, sizeof(h));
 }
 
 }  // namespace glm_lightning_ops
