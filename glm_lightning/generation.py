@@ -278,8 +278,10 @@ def _decode(model: torch.nn.Module, cache: ModelCache, logits: torch.Tensor, max
             keep = torch.nonzero(live).flatten()
             cache, rows, tok = cache.index_select(keep), rows[keep], tok[keep]
             live = torch.ones(n_live, dtype=torch.bool, device=device)
-        step_valid = None if n_live == live.shape[0] else live[:, None]
-        logits = model(tok.masked_fill(~live, _TOK.pad_id)[:, None], valid=step_valid, cache=cache).logits[:, -1]
+        # finished rows still in the batch step on a pad token as real rows: rows never mix (each row's outputs are
+        # bit for bit those of its batch alone), nobody reads a finished row's cache, and the decode's fast path
+        # takes no padding mask (with one, every op ran its general form: a step ~1.5x slower)
+        logits = model(tok.masked_fill(~live, _TOK.pad_id)[:, None], cache=cache).logits[:, -1]
     return Generation(tokens=tokens, logprobs=logprobs, lengths=lengths)
 
 
