@@ -170,7 +170,8 @@ class SparseAttention(nn.Module):
                 x.new_zeros(())
         k, v = cache.k[:, :, :S], cache.v[:, :, :S]
         loss_keys = ops.topk_mask(scores, allowed, self.top_k) if sparse else allowed
-        attn_mask = ops.fill_empty_rows(loss_keys, start)
+        # a dense decode step without padding keeps at least its own key, just appended: no row to fill
+        attn_mask = loss_keys if T == 1 and valid is None and not sparse else ops.fill_empty_rows(loss_keys, start)
         y = self._out(ops.single_query_attention(q, k, v, attn_mask) if T == 1 else self._sdpa(q, k, v, attn_mask))
         if not want_loss:
             return y, x.new_zeros(())
