@@ -7,8 +7,12 @@ on a machine shared with processes of the same priority, wall time also counts w
 the least one (the step least disturbed by the machine's other load), their ratios to the current code's, and the ATen
 ops of a step (torch.profiler, deterministic).
 
-The earlier forms are kept here only, as patches of the current code:
+The earlier forms are kept here only, as patches of the current code (each from before the block ops, so each also
+runs the blocks by their modules):
 
+- ``blocks: ops one by one``: each block's modules calling the ops one by one (site read, RMSNorm, the KDA layer's
+  projections and core, o_proj, stream write, the MoE layer: ~13 calls from Python per KDA block), instead of one op
+  per KDA block and per DSA block's MoE half (ops/block_decode.py).
 - ``site read: 2 ops``: the decode's site read as site_read + sinkhorn with the expansion of alpha, slices and views
   in Python (the training form's two ops), instead of the one op ``site_read_decode``.
 - ``RoPE: eager``: the DSA indexer's rotations as the eager form (~14 ops a call), instead of the one op
@@ -80,13 +84,23 @@ def _both(*patches: contextlib.AbstractContextManager) -> Iterator[None]:
         yield
 
 
+BLOCKS = ("kda_block", "moe_half")
+"""The block ops' decode entries (ops/block_decode.py): off in every earlier form."""
+
+
+def _entries_without(*ops: str) -> contextlib.AbstractContextManager:
+    """The decode entries without ``ops`` and without the block ops."""
+    return _patched(decode, "OPS", tuple(op for op in decode.OPS if op not in ops and op not in BLOCKS))
+
+
 FORMS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "current": contextlib.nullcontext,
+    "blocks: ops one by one": lambda: _entries_without(),
     "site read: 2 ops": lambda: _both(_patched(mhc_ops, "_site_read_no_grad", _site_read_two_ops),
-                                      _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "site_read"))),
-    "RoPE: eager": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "rotary")),
-    "linear: checks per call": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "linear")),
-    "MoE: ops one by one": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "moe_decode")),
+                                      _entries_without("site_read")),
+    "RoPE: eager": lambda: _entries_without("rotary"),
+    "linear: checks per call": lambda: _entries_without("linear"),
+    "MoE: ops one by one": lambda: _entries_without("moe_decode"),
     "ops' entries per call": lambda: _patched(decode, "OPS", ()),
     "all of the above (f645ffb)": lambda: _both(
         _patched(mhc_ops, "_site_read_no_grad", _site_read_two_ops), _patched(decode, "OPS", ()),

@@ -31,7 +31,8 @@ def test_direct_calls_equal_the_general_entries_bit_for_bit(monkeypatch, fused_m
     torch.manual_seed(0)
     model = GLMModel(GLMConfig.preset("tiny", layer_pattern="LLS", index_top_k=4)).eval()  # 12 > 4: sparse decode
     taken: set[str] = set()
-    ops = decode.OPS if fused_moe else tuple(op for op in decode.OPS if op != "moe_decode")
+    # the block ops off (tests/test_block_decode.py compares them): each op's own direct entry runs
+    ops = tuple(op for op in decode.OPS if op not in ("kda_block", "moe_half") and (fused_moe or op != "moe_decode"))
     monkeypatch.setattr(decode, "OPS", ops)
     real = decode.cpp
 

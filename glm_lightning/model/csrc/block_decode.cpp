@@ -1,0 +1,189 @@
+// A cached fp32 decode step's blocks (glm_lightning/model/model.py, Block) as one op each.
+//
+// Why: a decode step is bound by Python and dispatch. After its ops became C++ (site read, RMSNorm, panel_matmul, the
+// KDA core, the MoE layer, the stream write), a KDA block was still ~13 calls from Python with module calls, views
+// and checks between them (~0.2-0.3 ms of Python per block at 1 thread). Here the same kernels run in the same order
+// as C++ function calls, so the values are those of the ops one by one bit for bit (tests/test_block_decode.py):
+//
+//   kda_block_decode(x [B, 1, n, C], conv_state, state, w, f, i) -> streams [B, 1, n, C]
+//       (h, post, res) = site_read_decode(x);  h = rms_norm(h)
+//       raw = h W_qkv^T;  [f1 | g1 | b] = h [W_f1; W_g1; W_b]^T;  f = f1 W_f2^T + dt_bias;  gate = g1 W_g2^T + b_g2
+//       o = kda_decode_core(raw, f, b, ..., conv_state, state, gate, ...);  x = stream_write(res, x, post, o W_o^T)
+//       then the MoE half below
+//   moe_half_decode(x [B, 1, n, C], w, f, i) -> streams [B, 1, n, C]
+//       (h, post, res) = site_read_decode(x);  h = rms_norm(h);  x = stream_write(res, x, post, moe_decode(h))
+//
+// The parameters come as three flat lists, read in order (ops/block_decode.py builds them in the same order): per
+// half its mHC site (w: phi, alpha, alpha_index, bias, gate scale, gate shift, the sub-layer's RMSNorm weight; f: the
+// site's norm eps, Sinkhorn eps, the RMSNorm's eps; i: Sinkhorn iterations), then the sub-layer's (kda_mixer,
+// moe_layer below). The matrices are panel_pack's panels (fp32 or bf16).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+// The kernels these ops call, defined in their own sources (one library, several translation units).
+namespace panel_ops {
+at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& P_in, int64_t out,
+                        const std::optional<at::Tensor>& counts_in, const std::optional<at::Tensor>& bias_in);
+}
+namespace site_read_ops {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> site_read_decode(
+    const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha, const at::Tensor& alpha_index,
+    const at::Tensor& bias, const at::Tensor& scale, const at::Tensor& shift, double norm_eps, int64_t iters,
+    double eps);
+}
+namespace streams_ops {
+at::Tensor stream_write(const at::Tensor& res, const at::Tensor& x, const at::Tensor& post, const at::Tensor& y);
+}
+namespace norm_ops {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+}
+namespace kda_decode_ops {
+at::Tensor kda_decode_core(const at::Tensor& raw, const at::Tensor& f, const at::Tensor& b, const at::Tensor& A_log,
+                           const at::Tensor& rescale, double lb, at::Tensor conv_state, const at::Tensor& conv_weight,
+                           at::Tensor S, const at::Tensor& gate, const at::Tensor& norm_weight, double eps);
+}
+namespace moe_decode_ops {
+at::Tensor moe_decode(const at::Tensor& x_in, const at::Tensor& router, int64_t E, const at::Tensor& bias, int64_t K,
+                      double scale, const at::Tensor& gate_up, int64_t h2, const at::Tensor& down,
+                      const std::optional<at::Tensor>& shared_gate_up, int64_t hs2,
+                      const std::optional<at::Tensor>& shared_down);
+}
+
+namespace block_decode_ops {
+
+// The three parameter lists, read front to back.
+class Args {
+ public:
+  Args(at::TensorList w, at::ArrayRef<double> f, at::IntArrayRef i) : w_(w), f_(f), i_(i) {}
+  const at::Tensor& tensor() {
+    TORCH_CHECK(tw_ < w_.size(), "block decode: too few tensors");
+    return w_[tw_++];
+  }
+  double real() {
+    TORCH_CHECK(tf_ < f_.size(), "block decode: too few floats");
+    return f_[tf_++];
+  }
+  int64_t integer() {
+    TORCH_CHECK(ti_ < i_.size(), "block decode: too few ints");
+    return i_[ti_++];
+  }
+  void check_done() const {
+    TORCH_CHECK(tw_ == w_.size() && tf_ == f_.size() && ti_ == i_.size(), "block decode: parameters left over");
+  }
+
+ private:
+  at::TensorList w_;
+  at::ArrayRef<double> f_;
+  at::IntArrayRef i_;
+  size_t tw_ = 0, tf_ = 0, ti_ = 0;
+};
+
+struct Read {
+  at::Tensor h, post, res;  // the sub-layer's normed input [rows, C] and the maps the stream write takes
+};
+
+// A site's read half (mhc.py HyperConnection.read) and the sub-layer's RMSNorm (Block's mixer_norm / moe_norm).
+Read read_normed(const at::Tensor& x, Args& a) {
+  const at::Tensor& phi = a.tensor();
+  const at::Tensor& alpha = a.tensor();
+  const at::Tensor& alpha_index = a.tensor();
+  const at::Tensor& bias = a.tensor();
+  const at::Tensor& scale = a.tensor();
+  const at::Tensor& shift = a.tensor();
+  const at::Tensor& norm_weight = a.tensor();
+  const double site_eps = a.real(), sinkhorn_eps = a.real(), norm_eps = a.real();
+  const int64_t iters = a.integer();
+  auto [h, post, res] =
+      site_read_ops::site_read_decode(x, phi, alpha, alpha_index, bias, scale, shift, site_eps, iters, sinkhorn_eps);
+  return {norm_ops::rms_norm(h, norm_weight, norm_eps), post, res};  // [rows, C]: rms_norm's rows, no view
+}
+
+// KDA's decode step (kda.py KDAttention.forward: _projections, ops.kda_decode_step's core, o_proj) on the normed h
+// [rows, C]; conv_state and state updated in place. w: [W_q; W_k; W_v], [W_f1; W_g1; W_b], W_f2, dt_bias, W_g2, b_g2
+// (panels and vectors), the conv weight [3HK, ks], A_log, the q/k rescale, the head norm's weight, W_o; f: the gate's
+// lower bound, the head norm's eps; i: H, K, C.
+at::Tensor kda_mixer(const at::Tensor& h, const at::Tensor& conv_state, const at::Tensor& state, Args& a) {
+  const at::Tensor& qkv = a.tensor();
+  const at::Tensor& small = a.tensor();
+  const at::Tensor& f_b = a.tensor();
+  const at::Tensor& dt_bias = a.tensor();
+  const at::Tensor& g_b = a.tensor();
+  const at::Tensor& g_bias = a.tensor();
+  const at::Tensor& conv_weight = a.tensor();
+  const at::Tensor& A_log = a.tensor();
+  const at::Tensor& rescale = a.tensor();
+  const at::Tensor& norm_weight = a.tensor();
+  const at::Tensor& o_proj = a.tensor();
+  const double lb = a.real(), norm_eps = a.real();
+  const int64_t H = a.integer(), K = a.integer(), C = a.integer();
+  const at::Tensor raw = panel_ops::panel_matmul(h, qkv, 3 * H * K, std::nullopt, std::nullopt);
+  const at::Tensor fgb = panel_ops::panel_matmul(h, small, 2 * K + H, std::nullopt, std::nullopt);  // [f1 | g1 | b]
+  const at::Tensor f = panel_ops::panel_matmul(fgb.slice(-1, 0, K), f_b, H * K, std::nullopt, dt_bias);
+  const at::Tensor gate = panel_ops::panel_matmul(fgb.slice(-1, K, 2 * K), g_b, H * K, std::nullopt, g_bias);
+  const at::Tensor o = kda_decode_ops::kda_decode_core(raw, f, fgb.slice(-1, 2 * K, 2 * K + H), A_log, rescale, lb,
+                                                       conv_state, conv_weight, state, gate, norm_weight, norm_eps);
+  return panel_ops::panel_matmul(o, o_proj, C, std::nullopt, std::nullopt);
+}
+
+// The MoE layer (moe.py MoE.forward's decode branch) on the normed h [rows, C]. w: router, expert bias, gate_up, down
+// panels, then the shared expert's gate_up and down panels where hs2 > 0; f: the routed scaling; i: E, top-k, 2h, 2hs.
+at::Tensor moe_layer(const at::Tensor& h, Args& a) {
+  const at::Tensor& router = a.tensor();
+  const at::Tensor& expert_bias = a.tensor();
+  const at::Tensor& gate_up = a.tensor();
+  const at::Tensor& down = a.tensor();
+  const double scale = a.real();
+  const int64_t E = a.integer(), K = a.integer(), h2 = a.integer(), hs2 = a.integer();
+  std::optional<at::Tensor> shared_gate_up, shared_down;
+  if (hs2 > 0) {
+    shared_gate_up = a.tensor();
+    shared_down = a.tensor();
+  }
+  return moe_decode_ops::moe_decode(h, router, E, expert_bias, K, scale, gate_up, h2, down, shared_gate_up, hs2,
+                                    shared_down);
+}
+
+void check_streams(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 4 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be contiguous fp32 streams [B, 1, n, C]");
+}
+
+at::Tensor moe_half(const at::Tensor& x, Args& a) {
+  const Read r = read_normed(x, a);
+  return streams_ops::stream_write(r.res, x, r.post, moe_layer(r.h, a));
+}
+
+at::Tensor moe_half_decode(const at::Tensor& x, at::TensorList w, at::ArrayRef<double> f, at::IntArrayRef i) {
+  check_streams(x);
+  Args a(w, f, i);
+  at::Tensor out = moe_half(x, a);
+  a.check_done();
+  return out;
+}
+
+at::Tensor kda_block_decode(const at::Tensor& x, const at::Tensor& conv_state, const at::Tensor& state,
+                            at::TensorList w, at::ArrayRef<double> f, at::IntArrayRef i) {
+  check_streams(x);
+  Args a(w, f, i);
+  const Read r = read_normed(x, a);
+  const at::Tensor mid = streams_ops::stream_write(r.res, x, r.post, kda_mixer(r.h, conv_state, state, a));
+  at::Tensor out = moe_half(mid, a);
+  a.check_done();
+  return out;
+}
+
+}  // namespace block_decode_ops
+
+TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
+  m.def("kda_block_decode(Tensor x, Tensor(a!) conv_state, Tensor(b!) state, Tensor[] w, float[] f, int[] i) "
+        "-> Tensor");
+  m.def("moe_half_decode(Tensor x, Tensor[] w, float[] f, int[] i) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
+  m.impl("kda_block_decode", &block_decode_ops::kda_block_decode);
+  m.impl("moe_half_decode", &block_decode_ops::moe_half_decode);
+}

@@ -1,0 +1,133 @@
+"""A decode step's blocks as one C++ op each (ops/block_decode.py, csrc/block_decode.cpp) against the same step with
+the blocks' modules calling the ops one by one: the same logits and caches bit for bit over several decode steps, with
+fp32 panels and the bf16 panels of the sampling copy, with padding rows (the KDA block falls back, the MoE half does
+not), and each fused op off where the op table switches off one of its parts."""
+
+import pytest
+import torch
+
+from glm_lightning.generation import sampling_weights
+from glm_lightning.model import GLMConfig, GLMModel, cext
+from glm_lightning.model.ops import backend, block_decode, decode
+
+pytestmark = pytest.mark.skipif(not cext.available(), reason="C++ ops disabled (GLM_LIGHTNING_EXT=0) or not buildable")
+
+FUSED = ("kda_block", "moe_half")
+ALL = decode.OPS
+
+
+def _spy(monkeypatch) -> list[tuple[str, bool]]:
+    """Record (entry, ran as one op) for every call of the two block entries inside a decode step."""
+    ran: list[tuple[str, bool]] = []
+    for name in FUSED:
+        real = getattr(block_decode, name)
+
+        def spy(*args, _real=real, _name=name):
+            out = _real(*args)
+            if decode._on:  # not a prefill
+                ran.append((_name, out is not None))
+            return out
+
+        monkeypatch.setattr(block_decode, name, spy)
+    return ran
+
+
+def _steps(model: GLMModel, fused: bool, monkeypatch, rows: int = 3, steps: int = 4,
+           pad_row: int | None = None) -> list[torch.Tensor]:
+    """Logits of a prefill and `steps` decode steps (``pad_row``: that row a padding token from the second step on, as
+    generation feeds a finished row), then the cache's state tensors."""
+    monkeypatch.setattr(decode, "OPS", tuple(op for op in ALL if fused or op not in FUSED))
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 256, (rows, 12), generator=gen)
+    out = []
+    with torch.inference_mode():
+        cache = model.new_cache(rows)
+        out.append(model(prompt, cache=cache).logits)
+        for step in range(steps):
+            valid = None
+            if pad_row is not None and step > 0:
+                valid = torch.ones(rows, 1, dtype=torch.bool)
+                valid[pad_row] = False
+            out.append(model(out[-1][:, -1:].argmax(-1), valid=valid, cache=cache).logits)
+    return out + [t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+
+
+def _model(precision: str = "32", **overrides) -> GLMModel:
+    torch.manual_seed(0)
+    cfg = GLMConfig.preset("tiny", layer_pattern="LLS", index_top_k=4, **overrides)  # 12 > 4 keys: sparse decode
+    return sampling_weights(GLMModel(cfg).eval(), precision)
+
+
+def _per_step(model: GLMModel, kda_whole: bool) -> list[tuple[str, bool]]:
+    """The block entries' calls of one decode step: a KDA block as one op (``kda_whole``; else by its mixer's ops,
+    then its MoE half as one op), a DSA block's MoE half as one op."""
+    kda = [("kda_block", True)] if kda_whole else [("kda_block", False), ("moe_half", True)]
+    return [c for kind in model.cfg.layer_kinds for c in (kda if kind == "L" else [("moe_half", True)])]
+
+
+def _assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_block_ops_equal_the_ops_one_by_one(monkeypatch, precision, shared):
+    model = _model(precision, **({} if shared else {"shared_expert_hidden": 0}))
+    ran = _spy(monkeypatch)
+    fused = _steps(model, True, monkeypatch)
+    assert ran == _per_step(model, True) * 4  # each decode step's blocks, not the prefill's
+    ran.clear()
+    general = _steps(model, False, monkeypatch)
+    assert ran and not any(done for _, done in ran)
+    _assert_equal(fused, general)
+
+
+def test_padding_rows_run_the_kda_layer_by_its_ops(monkeypatch):
+    """A padded step (a finished row) runs KDA's mixer by its ops (padding is an identity step there) and the MoE half
+    as one op: the same values as the ops one by one."""
+    model = _model()
+    ran = _spy(monkeypatch)
+    fused = _steps(model, True, monkeypatch, pad_row=1)
+    assert ran == _per_step(model, True) + _per_step(model, False) * 3
+    _assert_equal(fused, _steps(model, False, monkeypatch, pad_row=1))
+
+
+@pytest.mark.parametrize("part", ["site_read", "rms_norm", "stream_write", "kda_decode_step", "swiglu", "moe_route"])
+def test_block_ops_off_without_their_parts(part):
+    """The op table switching off one op a block op calls switches the block op off (its values are that path's)."""
+    with backend.cpp_ops_off((part,)), decode.fp32_step(True):
+        assert not decode.cpp("kda_block")
+        assert decode.cpp("moe_half") == (part == "kda_decode_step")
+    with decode.fp32_step(True):
+        assert decode.cpp("kda_block") and decode.cpp("moe_half")
+
+
+def test_block_ops_off_when_an_entry_they_call_is_off(monkeypatch):
+    """Without the one-op MoE layer's entry (bench_decode_forms' earlier form) neither block op runs."""
+    monkeypatch.setattr(decode, "OPS", tuple(op for op in ALL if op != "moe_decode"))
+    with decode.fp32_step(True):
+        assert not decode.cpp("moe_half") and not decode.cpp("kda_block") and decode.cpp("site_read")
+
+
+def test_fallback_with_a_part_off_equals_the_ops_one_by_one(monkeypatch):
+    """With the op table switching off stream_write's C++ form, the blocks run by their modules (PyTorch stream write),
+    the same values as the path without the block ops."""
+    model = _model()
+    ran = _spy(monkeypatch)
+    with backend.cpp_ops_off(("stream_write",)):
+        off = _steps(model, True, monkeypatch)
+        assert ran and not any(done for _, done in ran)
+        _assert_equal(off, _steps(model, False, monkeypatch))
+
+
+def test_dense_ffn_and_one_stream_fall_back(monkeypatch):
+    """A dense FFN (no MoE) or one stream (no site parameters): the block ops do not take the block; same values."""
+    for overrides in ({"ffn": "dense"}, {"hc_streams": 1}):
+        model = _model(**overrides)
+        ran = _spy(monkeypatch)
+        fused = _steps(model, True, monkeypatch)
+        assert ran and not any(done for _, done in ran)
+        _assert_equal(fused, _steps(model, False, monkeypatch))
+        monkeypatch.undo()
