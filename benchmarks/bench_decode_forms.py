@@ -11,8 +11,9 @@ The earlier forms are kept here only, as patches of the current code (each from 
 runs the blocks by their modules):
 
 - ``blocks: ops one by one``: each block's modules calling the ops one by one (site read, RMSNorm, the KDA layer's
-  projections and core, o_proj, stream write, the MoE layer: ~13 calls from Python per KDA block), instead of one op
-  per KDA block and per DSA block's MoE half (ops/block_decode.py).
+  projections and core or DSA's projections, norms, RoPE, cache writes, indexer and attention, o_proj, stream write,
+  the MoE layer: ~13 calls from Python per KDA block, ~40 per DSA block), instead of one op per block
+  (ops/block_decode.py).
 - ``site read: 2 ops``: the decode's site read as site_read + sinkhorn with the expansion of alpha, slices and views
   in Python (the training form's two ops), instead of the one op ``site_read_decode``.
 - ``RoPE: eager``: the DSA indexer's rotations as the eager form (~14 ops a call), instead of the one op
@@ -84,7 +85,7 @@ def _both(*patches: contextlib.AbstractContextManager) -> Iterator[None]:
         yield
 
 
-BLOCKS = ("kda_block", "moe_half")
+BLOCKS = ("kda_block", "dsa_block", "moe_half")
 """The block ops' decode entries (ops/block_decode.py): off in every earlier form."""
 
 

@@ -12,7 +12,7 @@ from glm_lightning.model.ops import backend, block_decode, decode
 
 pytestmark = pytest.mark.skipif(not cext.available(), reason="C++ ops disabled (GLM_LIGHTNING_EXT=0) or not buildable")
 
-FUSED = ("kda_block", "moe_half")
+FUSED = ("kda_block", "dsa_block", "moe_half")
 ALL = decode.OPS
 
 
@@ -54,15 +54,17 @@ def _steps(model: GLMModel, fused: bool, monkeypatch, rows: int = 3, steps: int 
 
 def _model(precision: str = "32", **overrides) -> GLMModel:
     torch.manual_seed(0)
-    cfg = GLMConfig.preset("tiny", layer_pattern="LLS", index_top_k=4, **overrides)  # 12 > 4 keys: sparse decode
+    # 12 + 1 > 4 keys: sparse decode, masked below 4 x 4 keys (thresholds.DECODE_GATHER_MIN_KEYS_PER_TOP_K)
+    cfg = GLMConfig.preset("tiny", **{"layer_pattern": "LLS", "index_top_k": 4, **overrides})
     return sampling_weights(GLMModel(cfg).eval(), precision)
 
 
-def _per_step(model: GLMModel, kda_whole: bool) -> list[tuple[str, bool]]:
-    """The block entries' calls of one decode step: a KDA block as one op (``kda_whole``; else by its mixer's ops,
-    then its MoE half as one op), a DSA block's MoE half as one op."""
+def _per_step(model: GLMModel, kda_whole: bool = True, dsa_whole: bool = True) -> list[tuple[str, bool]]:
+    """The block entries' calls of one decode step: a block as one op (``kda_whole``, ``dsa_whole``), else its mixer
+    by its ops and its MoE half as one op."""
     kda = [("kda_block", True)] if kda_whole else [("kda_block", False), ("moe_half", True)]
-    return [c for kind in model.cfg.layer_kinds for c in (kda if kind == "L" else [("moe_half", True)])]
+    dsa = [("dsa_block", True)] if dsa_whole else [("dsa_block", False), ("moe_half", True)]
+    return [c for kind in model.cfg.layer_kinds for c in (kda if kind == "L" else dsa)]
 
 
 def _assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
@@ -77,7 +79,8 @@ def test_block_ops_equal_the_ops_one_by_one(monkeypatch, precision, shared):
     model = _model(precision, **({} if shared else {"shared_expert_hidden": 0}))
     ran = _spy(monkeypatch)
     fused = _steps(model, True, monkeypatch)
-    assert ran == _per_step(model, True) * 4  # each decode step's blocks, not the prefill's
+    # each decode step's blocks, not the prefill's; the DSA block at 13-15 keys (> top-k 4), its gathered form at 16
+    assert ran == _per_step(model) * 3 + _per_step(model, dsa_whole=False)
     ran.clear()
     general = _steps(model, False, monkeypatch)
     assert ran and not any(done for _, done in ran)
@@ -90,25 +93,49 @@ def test_padding_rows_run_the_kda_layer_by_its_ops(monkeypatch):
     model = _model()
     ran = _spy(monkeypatch)
     fused = _steps(model, True, monkeypatch, pad_row=1)
-    assert ran == _per_step(model, True) + _per_step(model, False) * 3
+    assert ran == _per_step(model) + _per_step(model, kda_whole=False, dsa_whole=False) * 3
     _assert_equal(fused, _steps(model, False, monkeypatch, pad_row=1))
 
 
-@pytest.mark.parametrize("part", ["site_read", "rms_norm", "stream_write", "kda_decode_step", "swiglu", "moe_route"])
+def test_dsa_dense_bypass_runs_by_its_ops(monkeypatch):
+    """While the cache holds at most top-k keys (DSA's dense bypass) the DSA block runs its mixer by its ops."""
+    model = _model(index_top_k=16)
+    ran = _spy(monkeypatch)
+    fused = _steps(model, True, monkeypatch)
+    assert ran == _per_step(model, dsa_whole=False) * 4  # 13-16 keys <= 16
+    _assert_equal(fused, _steps(model, False, monkeypatch))
+
+
+def test_dsa_block_with_the_pytorch_attention_form(monkeypatch):
+    """With the op table choosing single_query_attention's PyTorch form, the DSA block op runs it (the same ATen
+    calls): the same values as the ops one by one under that table."""
+    model = _model()
+    ran = _spy(monkeypatch)
+    with backend.cpp_ops_off(("single_query_attention",)):
+        fused = _steps(model, True, monkeypatch)
+        assert ran == _per_step(model) * 3 + _per_step(model, dsa_whole=False)
+        _assert_equal(fused, _steps(model, False, monkeypatch))
+
+
+@pytest.mark.parametrize("part", ["site_read", "rms_norm", "stream_write", "kda_decode_step", "swiglu", "moe_route",
+                                  "index_scores", "topk_mask"])
 def test_block_ops_off_without_their_parts(part):
     """The op table switching off one op a block op calls switches the block op off (its values are that path's)."""
     with backend.cpp_ops_off((part,)), decode.fp32_step(True):
-        assert not decode.cpp("kda_block")
-        assert decode.cpp("moe_half") == (part == "kda_decode_step")
+        assert decode.cpp("kda_block") == (part in ("index_scores", "topk_mask"))
+        assert decode.cpp("dsa_block") == (part == "kda_decode_step")
+        assert decode.cpp("moe_half") == (part in ("kda_decode_step", "index_scores", "topk_mask"))
     with decode.fp32_step(True):
-        assert decode.cpp("kda_block") and decode.cpp("moe_half")
+        assert decode.cpp("kda_block") and decode.cpp("dsa_block") and decode.cpp("moe_half")
 
 
-def test_block_ops_off_when_an_entry_they_call_is_off(monkeypatch):
-    """Without the one-op MoE layer's entry (bench_decode_forms' earlier form) neither block op runs."""
-    monkeypatch.setattr(decode, "OPS", tuple(op for op in ALL if op != "moe_decode"))
+@pytest.mark.parametrize("entry, off", [("moe_decode", FUSED), ("site_read", FUSED), ("rotary", ("dsa_block",)),
+                                        ("linear", ("kda_block", "dsa_block")), ("kda_decode_step", ("kda_block",))])
+def test_block_ops_off_when_an_entry_they_call_is_off(monkeypatch, entry, off):
+    """Without a decode entry a block op calls (bench_decode_forms' earlier forms) that block op does not run."""
+    monkeypatch.setattr(decode, "OPS", tuple(op for op in ALL if op != entry))
     with decode.fp32_step(True):
-        assert not decode.cpp("moe_half") and not decode.cpp("kda_block") and decode.cpp("site_read")
+        assert [op for op in FUSED if not decode.cpp(op)] == [op for op in FUSED if op in off]
 
 
 def test_fallback_with_a_part_off_equals_the_ops_one_by_one(monkeypatch):

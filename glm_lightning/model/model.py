@@ -56,10 +56,10 @@ class Block(nn.Module):
     def forward(self, streams: torch.Tensor, valid: torch.Tensor | None = None,
                 cache: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [B,T,n,C] -> (streams, aux loss of this block: DSA indexer loss + MoE balance loss)."""
-        if cache is not None and self.kind == "L":  # a decode step's KDA block as one op, where it takes it
-            out = block_decode.kda_block(self, streams, valid, cache)
+        if cache is not None:  # a decode step's block as one op, where it takes it (ops/block_decode.py)
+            out = block_decode.block(self, streams, valid, cache)
             if out is not None:
-                return out, self.mixer._no_aux
+                return out, self.moe._no_aux
         h, maps = self.hc_mixer.read(streams)
         y, mixer_aux = self.mixer(self.mixer_norm(h), valid=valid, cache=cache)
         streams = self.hc_mixer.write(streams, maps, y)

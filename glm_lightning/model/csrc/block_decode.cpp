@@ -20,6 +20,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -44,6 +46,15 @@ namespace kda_decode_ops {
 at::Tensor kda_decode_core(const at::Tensor& raw, const at::Tensor& f, const at::Tensor& b, const at::Tensor& A_log,
                            const at::Tensor& rescale, double lb, at::Tensor conv_state, const at::Tensor& conv_weight,
                            at::Tensor S, const at::Tensor& gate, const at::Tensor& norm_weight, double eps);
+}
+namespace rotary_ops {
+at::Tensor rotary_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+}
+namespace decode_attention_ops {
+at::Tensor index_scores_one(const at::Tensor& q, const at::Tensor& w, const at::Tensor& k);
+at::Tensor topk_mask_one(const at::Tensor& scores, const at::Tensor& allowed, int64_t top_k);
+at::Tensor single_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& mask, double scale);
 }
 namespace moe_decode_ops {
 at::Tensor moe_decode(const at::Tensor& x_in, const at::Tensor& router, int64_t E, const at::Tensor& bias, int64_t K,
@@ -146,6 +157,69 @@ at::Tensor moe_layer(const at::Tensor& h, Args& a) {
                                     shared_down);
 }
 
+// ops/dsa.py single_query_attention's PyTorch form (the op table's choice where its C++ op is slower): q [B, H, D],
+// k and v [B, Hkv, S, D] (slices of the cache), mask [B, S] -> [B, H, D], the same ATen calls in the same order.
+at::Tensor attention_aten(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), S = k.size(2), G = H / Hkv;
+  at::Tensor logits = at::bmm(q.reshape({B * Hkv, G, D}), k.reshape({B * Hkv, S, D}).transpose(1, 2))
+                          .view({B, Hkv, G, S});
+  logits.mul_(std::pow(static_cast<double>(D), -0.5))
+      .masked_fill_(mask.logical_not().view({B, 1, 1, S}), -std::numeric_limits<double>::infinity());
+  return at::bmm(at::softmax(logits, -1).view({B * Hkv, G, S}), v.reshape({B * Hkv, S, D})).view({B, H, D});
+}
+
+// DSA's sparse decode step (dsa.py SparseAttention._forward_cached for one token past the dense bypass and below the
+// gathered form, no padding, no RoPE on the main attention) on the normed h [rows, C]: q/k/v projections and their
+// RMSNorms, the indexer's key (LayerNorm, RoPE) and query (RoPE, scaled head weights), the new token written into the
+// cache at `start`, the indexer scores, the top-k key mask and the single-query attention over the first start + 1
+// keys, o_proj. w: W_q, q_norm, W_k, k_norm, W_v, W_o, indexer W_q, W_w, W_k (panels), its LayerNorm's weight and
+// bias, its RoPE table's cos and sin; f: q_norm, k_norm, LayerNorm eps, the head weights' scale; i: H, Hkv, D, H_I,
+// D_I, top-k, C.
+at::Tensor dsa_mixer(const at::Tensor& h, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& index_k, const at::Tensor& key_valid, int64_t start, bool cpp_attention,
+                     Args& a) {
+  const at::Tensor& wq = a.tensor();
+  const at::Tensor& q_norm = a.tensor();
+  const at::Tensor& wk = a.tensor();
+  const at::Tensor& k_norm = a.tensor();
+  const at::Tensor& wv = a.tensor();
+  const at::Tensor& wo = a.tensor();
+  const at::Tensor& iwq = a.tensor();
+  const at::Tensor& iww = a.tensor();
+  const at::Tensor& iwk = a.tensor();
+  const at::Tensor& ik_weight = a.tensor();
+  const at::Tensor& ik_bias = a.tensor();
+  const at::Tensor& cos_table = a.tensor();
+  const at::Tensor& sin_table = a.tensor();
+  const double q_eps = a.real(), k_eps = a.real(), ik_eps = a.real(), w_scale = a.real();
+  const int64_t H = a.integer(), Hkv = a.integer(), D = a.integer(), HI = a.integer(), DI = a.integer(),
+                top_k = a.integer(), C = a.integer();
+  const int64_t B = h.size(0), S = start + 1;
+  const auto none = std::nullopt;
+  const at::Tensor q = norm_ops::rms_norm(panel_ops::panel_matmul(h, wq, H * D, none, none), q_norm, q_eps);
+  const at::Tensor k = norm_ops::rms_norm(panel_ops::panel_matmul(h, wk, Hkv * D, none, none), k_norm, k_eps);
+  const at::Tensor v = panel_ops::panel_matmul(h, wv, Hkv * D, none, none);
+  const at::Tensor cos = cos_table.slice(0, start, S), sin = sin_table.slice(0, start, S);
+  const at::Tensor ik = rotary_ops::rotary_one(
+      at::layer_norm(panel_ops::panel_matmul(h, iwk, DI, none, none), {DI}, ik_weight, ik_bias, ik_eps), cos, sin);
+  k_cache.select(2, start).copy_(k.view({B, Hkv, D}));  // DSACache.append
+  v_cache.select(2, start).copy_(v.view({B, Hkv, D}));
+  index_k.select(1, start).copy_(ik);
+  key_valid.select(1, start).fill_(true);
+  const at::Tensor iq = rotary_ops::rotary_one(panel_ops::panel_matmul(h, iwq, HI * DI, none, none).view({B, HI, DI}),
+                                               cos, sin);
+  const at::Tensor iw = panel_ops::panel_matmul(h, iww, HI, none, none) * w_scale;
+  const at::Tensor allowed = key_valid.slice(1, 0, S);
+  const at::Tensor scores = decode_attention_ops::index_scores_one(iq, iw, index_k.slice(1, 0, S));
+  const at::Tensor mask = decode_attention_ops::topk_mask_one(scores, allowed, top_k);
+  const at::Tensor keys = k_cache.slice(2, 0, S), values = v_cache.slice(2, 0, S), q3 = q.view({B, H, D});
+  const at::Tensor out =
+      cpp_attention
+          ? decode_attention_ops::single_query_attention(q3, keys, values, mask, std::pow(static_cast<double>(D), -0.5))
+          : attention_aten(q3, keys, values, mask);
+  return panel_ops::panel_matmul(out.view({B, H * D}), wo, C, none, none);
+}
+
 void check_streams(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 4 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be contiguous fp32 streams [B, 1, n, C]");
@@ -175,15 +249,31 @@ at::Tensor kda_block_decode(const at::Tensor& x, const at::Tensor& conv_state, c
   return out;
 }
 
+at::Tensor dsa_block_decode(const at::Tensor& x, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& index_k, const at::Tensor& key_valid, int64_t start, bool cpp_attention,
+                            at::TensorList w, at::ArrayRef<double> f, at::IntArrayRef i) {
+  check_streams(x);
+  TORCH_CHECK(start >= 0 && start < k_cache.size(2) && k_cache.size(0) == x.size(0), "the cache has no slot here");
+  Args a(w, f, i);
+  const Read r = read_normed(x, a);
+  const at::Tensor y = dsa_mixer(r.h, k_cache, v_cache, index_k, key_valid, start, cpp_attention, a);
+  at::Tensor out = moe_half(streams_ops::stream_write(r.res, x, r.post, y), a);
+  a.check_done();
+  return out;
+}
+
 }  // namespace block_decode_ops
 
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("kda_block_decode(Tensor x, Tensor(a!) conv_state, Tensor(b!) state, Tensor[] w, float[] f, int[] i) "
         "-> Tensor");
   m.def("moe_half_decode(Tensor x, Tensor[] w, float[] f, int[] i) -> Tensor");
+  m.def("dsa_block_decode(Tensor x, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) index_k, Tensor(d!) key_valid, "
+        "int start, bool cpp_attention, Tensor[] w, float[] f, int[] i) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
   m.impl("kda_block_decode", &block_decode_ops::kda_block_decode);
   m.impl("moe_half_decode", &block_decode_ops::moe_half_decode);
+  m.impl("dsa_block_decode", &block_decode_ops::dsa_block_decode);
 }

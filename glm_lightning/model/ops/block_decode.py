@@ -1,15 +1,17 @@
-"""A cached fp32 decode step's blocks as one C++ op each (csrc/block_decode.cpp): a KDA block whole
-(``kda_block_decode``), and the MoE half of any block (``moe_half_decode``: site read, RMSNorm, MoE layer, stream
-write), the kernels of the ops' path called in their order as C++ functions, so the same values bit for bit.
+"""A cached fp32 decode step's blocks as one C++ op each (csrc/block_decode.cpp): a KDA block (``kda_block_decode``),
+a DSA block in its sparse masked regime (``dsa_block_decode``) and, where those do not take the block, its MoE half
+(``moe_half_decode``: site read, RMSNorm, MoE layer, stream write). They call the kernels of the ops' path in the same
+order as C++ functions, so the values are the same bit for bit (tests/test_block_decode.py).
 
 Why: with every op of a decode step in C++, the step was still ~4-5 ms of Python and dispatch out of ~15 (flash-25m,
 16 rows, 1 thread): module calls, views and each op's entry checks between ~170 C++ calls. A block is now one call.
 
 Entered from ``Block.forward`` with a decoding cache; each entry returns None where the ops' path would not run these
-C++ forms on these tensors (outside an fp32 decode step, the op table switching a part off, padding rows for KDA,
-more rows than the few-row forms take, streams not contiguous fp32, one stream, a dense FFN): the caller then runs
-the block's modules as before. The parameter lists are built once per generation and block, and kept in the
-generation's panel store beside the packed weights they hold (ops.matmul.packed: same lifetime).
+C++ forms on these tensors (outside an fp32 decode step, the op table switching a part off, padding rows, more rows
+than the few-row forms take, streams not contiguous fp32, one stream, a dense FFN, DSA's dense bypass or gathered
+form): the caller then runs the block's modules as before. The parameter lists are built once per generation and
+block, and kept in the generation's panel store beside the packed weights they hold (ops.matmul.packed: the same
+lifetime).
 """
 
 from __future__ import annotations
@@ -17,10 +19,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from glm_lightning.model.ops import decode, matmul, thresholds
+from glm_lightning.model.ops import backend, decode, matmul, thresholds
 
 Args = tuple[list[Tensor], list[float], list[int]]
 """The op's parameter lists (tensors, floats, ints), in the order csrc/block_decode.cpp reads them."""
+
+
+def block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) -> Tensor | None:
+    """A block's decode step as one op (:func:`kda_block` or :func:`dsa_block` by its kind), or None."""
+    if block.kind == "L":
+        return kda_block(block, streams, valid, cache)
+    return dsa_block(block, streams, valid, cache)
 
 
 def kda_block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) -> Tensor | None:
@@ -32,6 +41,28 @@ def kda_block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) ->
     if args is None:
         return None
     return torch.ops.glm_lightning.kda_block_decode(streams, cache.conv_state, cache.state, *args)
+
+
+def dsa_block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) -> Tensor | None:
+    """A DSA block's sparse decode step (mHC site, RMSNorm, DSA with the new token written into its DSACache, then the
+    MoE half) on streams [B, 1, n, C]; None where the ops' path would not run it as these C++ forms: padding rows,
+    the dense bypass (the cache holds at most top-k keys), the gathered form (a long cache: thresholds), a full cache
+    (the module path raises)."""
+    if valid is not None or not decode.cpp("dsa_block") or not _takes(streams):
+        return None
+    args = _cached(block, "dsa_block", lambda: _dsa_args(block))
+    if args is None:
+        return None
+    start, top_k = cache.length, block.mixer.top_k
+    keys = start + 1
+    if (not top_k < keys < thresholds.DECODE_GATHER_MIN_KEYS_PER_TOP_K * top_k or keys > cache.max_seq_len
+            or streams.shape[0] != cache.batch_size):
+        return None
+    out = torch.ops.glm_lightning.dsa_block_decode(
+        streams, cache.k, cache.v, cache.index_k, cache.key_valid, start,
+        backend.takes(streams, fp64=False, op="single_query_attention"), *args)
+    cache.length = keys
+    return out
 
 
 def moe_half(block: nn.Module, streams: Tensor) -> Tensor | None:
@@ -104,6 +135,30 @@ def _kda_args(block: nn.Module, cache) -> Args | None:
     mixer = ([p_qkv, p_small, p_fb, kda.dt_bias, p_gb, kda.g_b_proj.bias, conv.view(conv.shape[0], conv.shape[-1]),
               kda.A_log, kda._qk_rescale, kda.o_norm.weight, p_o], [kda.lower_bound, kda.o_norm.eps],
              [kda.n_heads, kda.head_dim, kda.o_proj.weight.shape[0]])
+    moe = _join(_site_args(block.hc_moe, block.moe_norm), _moe_args(block.moe))
+    return _join(_site_args(block.hc_mixer, block.mixer_norm), mixer, moe)
+
+
+def _dsa_args(block: nn.Module) -> Args | None:
+    """The DSA block: its mixer site and norm, SparseAttention's sparse decode step (dsa.py ``_forward_cached``: the
+    projections, q/k norms, the indexer's key and query with its RoPE table, the scale of its head weights), then the
+    MoE half. Only for a layer with an indexer with RoPE and no RoPE on the main attention (the presets')."""
+    from glm_lightning.model.dsa import SparseAttention
+
+    dsa = block.mixer
+    if not isinstance(dsa, SparseAttention) or dsa.indexer is None or dsa.indexer.rope is None or dsa.rope is not None:
+        return None
+    ix = dsa.indexer
+    mats = (dsa.q_proj.weight, dsa.k_proj.weight, dsa.v_proj.weight, dsa.o_proj.weight, ix.q_proj.weight,
+            ix.w_proj.weight, ix.k_proj.weight)
+    vectors = (dsa.q_norm.weight, dsa.k_norm.weight, ix.k_norm.weight, ix.k_norm.bias, ix.rope.cos, ix.rope.sin)
+    if not _fp32(*mats, *vectors):
+        return None
+    wq, wk, wv, wo, iwq, iww, iwk = (matmul.packed(w) for w in mats)
+    mixer = ([wq, dsa.q_norm.weight, wk, dsa.k_norm.weight, wv, wo, iwq, iww, iwk, ix.k_norm.weight, ix.k_norm.bias,
+              ix.rope.cos, ix.rope.sin], [dsa.q_norm.eps, dsa.k_norm.eps, ix.k_norm.eps, ix.w_scale],
+             [dsa.n_heads, dsa.n_kv_heads, dsa.head_dim, ix.n_heads, ix.head_dim, dsa.top_k,
+              dsa.o_proj.weight.shape[0]])
     moe = _join(_site_args(block.hc_moe, block.moe_norm), _moe_args(block.moe))
     return _join(_site_args(block.hc_mixer, block.mixer_norm), mixer, moe)
 
