@@ -158,3 +158,15 @@ def test_dense_ffn_and_one_stream_fall_back(monkeypatch):
         assert ran and not any(done for _, done in ran)
         _assert_equal(fused, _steps(model, False, monkeypatch))
         monkeypatch.undo()
+
+
+def test_the_tune_records_the_decode_steps_ops_one_by_one():
+    """The op-choice tune times each op on its recorded calls: its decode step runs the blocks by their ops (the block
+    ops' kernels are those ops'), so the decode-only ops are recorded, at the decode step's 16 rows."""
+    from glm_lightning.model.ops import recorded_calls
+
+    calls = recorded_calls.record("tiny")
+    assert calls.get("kda_decode_step") and calls.get("decode_attention")
+    site_reads = [c for c in calls["site_read"] if not c.grad]
+    assert site_reads and site_reads[-1].args[0].shape[:2] == (16, 1)
+    assert decode.OPS == ALL
