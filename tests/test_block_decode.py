@@ -89,11 +89,12 @@ def test_block_ops_equal_the_ops_one_by_one(monkeypatch, precision, shared):
 
 def test_padding_rows_run_the_kda_layer_by_its_ops(monkeypatch):
     """A padded step (a finished row) runs KDA's mixer by its ops (padding is an identity step there) and the MoE half
-    as one op: the same values as the ops one by one."""
+    as one op, the DSA block as one op (the padding row's key masked): the same values as the ops one by one."""
     model = _model()
     ran = _spy(monkeypatch)
     fused = _steps(model, True, monkeypatch, pad_row=1)
-    assert ran == _per_step(model) + _per_step(model, kda_whole=False, dsa_whole=False) * 3
+    padded = _per_step(model, kda_whole=False)
+    assert ran == _per_step(model) + padded * 2 + _per_step(model, kda_whole=False, dsa_whole=False)
     _assert_equal(fused, _steps(model, False, monkeypatch, pad_row=1))
 
 

@@ -169,15 +169,15 @@ at::Tensor attention_aten(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 // DSA's sparse decode step (dsa.py SparseAttention._forward_cached for one token past the dense bypass and below the
-// gathered form, no padding, no RoPE on the main attention) on the normed h [rows, C]: q/k/v projections and their
-// RMSNorms, the indexer's key (LayerNorm, RoPE) and query (RoPE, scaled head weights), the new token written into the
-// cache at `start`, the indexer scores, the top-k key mask and the single-query attention over the first start + 1
-// keys, o_proj. w: W_q, q_norm, W_k, k_norm, W_v, W_o, indexer W_q, W_w, W_k (panels), its LayerNorm's weight and
-// bias, its RoPE table's cos and sin; f: q_norm, k_norm, LayerNorm eps, the head weights' scale; i: H, Hkv, D, H_I,
-// D_I, top-k, C.
+// gathered form, no RoPE on the main attention) on the normed h [rows, C]: q/k/v projections and their RMSNorms, the
+// indexer's key (LayerNorm, RoPE) and query (RoPE, scaled head weights), the new token written into the cache at
+// `start` (its key_valid from `valid`: False for a padding row), the indexer scores, the top-k key mask and the
+// single-query attention over the first start + 1 keys, o_proj. w: W_q, q_norm, W_k, k_norm, W_v, W_o, indexer W_q,
+// W_w, W_k (panels), its LayerNorm's weight and bias, its RoPE table's cos and sin; f: q_norm, k_norm, LayerNorm eps,
+// the head weights' scale; i: H, Hkv, D, H_I, D_I, top-k, C.
 at::Tensor dsa_mixer(const at::Tensor& h, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& index_k, const at::Tensor& key_valid, int64_t start, bool cpp_attention,
-                     Args& a) {
+                     const at::Tensor& index_k, const at::Tensor& key_valid, int64_t start,
+                     const std::optional<at::Tensor>& valid, bool cpp_attention, Args& a) {
   const at::Tensor& wq = a.tensor();
   const at::Tensor& q_norm = a.tensor();
   const at::Tensor& wk = a.tensor();
@@ -205,7 +205,10 @@ at::Tensor dsa_mixer(const at::Tensor& h, const at::Tensor& k_cache, const at::T
   k_cache.select(2, start).copy_(k.view({B, Hkv, D}));  // DSACache.append
   v_cache.select(2, start).copy_(v.view({B, Hkv, D}));
   index_k.select(1, start).copy_(ik);
-  key_valid.select(1, start).fill_(true);
+  if (valid.has_value())  // a padding row's key is masked (its query keeps its own slot: topk_mask_one)
+    key_valid.select(1, start).copy_(valid->reshape({B}));
+  else
+    key_valid.select(1, start).fill_(true);
   const at::Tensor iq = rotary_ops::rotary_one(panel_ops::panel_matmul(h, iwq, HI * DI, none, none).view({B, HI, DI}),
                                                cos, sin);
   const at::Tensor iw = panel_ops::panel_matmul(h, iww, HI, none, none) * w_scale;
@@ -250,13 +253,16 @@ at::Tensor kda_block_decode(const at::Tensor& x, const at::Tensor& conv_state, c
 }
 
 at::Tensor dsa_block_decode(const at::Tensor& x, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& index_k, const at::Tensor& key_valid, int64_t start, bool cpp_attention,
-                            at::TensorList w, at::ArrayRef<double> f, at::IntArrayRef i) {
+                            const at::Tensor& index_k, const at::Tensor& key_valid, int64_t start,
+                            const std::optional<at::Tensor>& valid, bool cpp_attention, at::TensorList w,
+                            at::ArrayRef<double> f, at::IntArrayRef i) {
   check_streams(x);
   TORCH_CHECK(start >= 0 && start < k_cache.size(2) && k_cache.size(0) == x.size(0), "the cache has no slot here");
+  TORCH_CHECK(!valid.has_value() || (valid->scalar_type() == at::kBool && valid->numel() == x.size(0)),
+              "valid must be bool [B, 1]");
   Args a(w, f, i);
   const Read r = read_normed(x, a);
-  const at::Tensor y = dsa_mixer(r.h, k_cache, v_cache, index_k, key_valid, start, cpp_attention, a);
+  const at::Tensor y = dsa_mixer(r.h, k_cache, v_cache, index_k, key_valid, start, valid, cpp_attention, a);
   at::Tensor out = moe_half(streams_ops::stream_write(r.res, x, r.post, y), a);
   a.check_done();
   return out;
@@ -269,7 +275,7 @@ TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
         "-> Tensor");
   m.def("moe_half_decode(Tensor x, Tensor[] w, float[] f, int[] i) -> Tensor");
   m.def("dsa_block_decode(Tensor x, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) index_k, Tensor(d!) key_valid, "
-        "int start, bool cpp_attention, Tensor[] w, float[] f, int[] i) -> Tensor");
+        "int start, Tensor? valid, bool cpp_attention, Tensor[] w, float[] f, int[] i) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {

@@ -7,11 +7,11 @@ Why: with every op of a decode step in C++, the step was still ~4-5 ms of Python
 16 rows, 1 thread): module calls, views and each op's entry checks between ~170 C++ calls. A block is now one call.
 
 Entered from ``Block.forward`` with a decoding cache; each entry returns None where the ops' path would not run these
-C++ forms on these tensors (outside an fp32 decode step, the op table switching a part off, padding rows, more rows
-than the few-row forms take, streams not contiguous fp32, one stream, a dense FFN, DSA's dense bypass or gathered
-form): the caller then runs the block's modules as before. The parameter lists are built once per generation and
-block, and kept in the generation's panel store beside the packed weights they hold (ops.matmul.packed: the same
-lifetime).
+C++ forms on these tensors (outside an fp32 decode step, the op table switching a part off, padding rows for KDA,
+more rows than the few-row forms take, streams not contiguous fp32, one stream, a dense FFN, DSA's dense bypass
+or gathered form): the caller then runs the block's modules as before. The parameter lists are built once per
+generation and block, and kept in the generation's panel store beside the packed weights they hold
+(ops.matmul.packed: the same lifetime).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ def kda_block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) ->
 
 
 def dsa_block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) -> Tensor | None:
-    """A DSA block's sparse decode step (mHC site, RMSNorm, DSA with the new token written into its DSACache, then the
-    MoE half) on streams [B, 1, n, C]; None where the ops' path would not run it as these C++ forms: padding rows,
-    the dense bypass (the cache holds at most top-k keys), the gathered form (a long cache: thresholds), a full cache
-    (the module path raises)."""
-    if valid is not None or not decode.cpp("dsa_block") or not _takes(streams):
+    """A DSA block's sparse decode step (mHC site, RMSNorm, DSA with the new token written into its DSACache, its
+    ``valid`` flag [B, 1] too, then the MoE half) on streams [B, 1, n, C]; None where the ops' path would not run it as
+    these C++ forms: the dense bypass (the cache holds at most top-k keys), the gathered form (a long cache:
+    thresholds), a full cache (the module path raises)."""
+    if not decode.cpp("dsa_block") or not _takes(streams):
         return None
     args = _cached(block, "dsa_block", lambda: _dsa_args(block))
     if args is None:
@@ -60,6 +60,7 @@ def dsa_block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) ->
         return None
     out = torch.ops.glm_lightning.dsa_block_decode(
         streams, cache.k, cache.v, cache.index_k, cache.key_valid, start,
+        None if valid is None else valid.to(torch.bool),
         backend.takes(streams, fp64=False, op="single_query_attention"), *args)
     cache.length = keys
     return out
