@@ -85,7 +85,7 @@ def _both(*patches: contextlib.AbstractContextManager) -> Iterator[None]:
         yield
 
 
-BLOCKS = ("kda_block", "dsa_block", "moe_half")
+BLOCKS = tuple(decode.ENTRY_PARTS)
 """The block ops' decode entries (ops/block_decode.py): off in every earlier form."""
 
 

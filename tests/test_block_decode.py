@@ -87,15 +87,26 @@ def test_block_ops_equal_the_ops_one_by_one(monkeypatch, precision, shared):
     _assert_equal(fused, general)
 
 
-def test_padding_rows_run_the_kda_layer_by_its_ops(monkeypatch):
-    """A padded step (a finished row) runs KDA's mixer by its ops (padding is an identity step there) and the MoE half
-    as one op, the DSA block as one op (the padding row's key masked): the same values as the ops one by one."""
+def test_padding_rows(monkeypatch):
+    """Padded steps (a finished row: an identity step of its KDA state, its DSA key masked) run each block as one op
+    too: the same values as the ops one by one."""
     model = _model()
     ran = _spy(monkeypatch)
     fused = _steps(model, True, monkeypatch, pad_row=1)
-    padded = _per_step(model, kda_whole=False)
-    assert ran == _per_step(model) + padded * 2 + _per_step(model, kda_whole=False, dsa_whole=False)
+    assert ran == _per_step(model) * 3 + _per_step(model, dsa_whole=False)  # 16 keys: DSA's gathered form
     _assert_equal(fused, _steps(model, False, monkeypatch, pad_row=1))
+
+
+def test_padding_rows_without_the_padded_kda_ops(monkeypatch):
+    """With the op table switching off an op of KDA's padded path (kda_features), padded steps run KDA's mixer by its
+    ops (then the MoE half as one op); unpadded steps keep the KDA block op (its core is another op)."""
+    model = _model()
+    ran = _spy(monkeypatch)
+    with backend.cpp_ops_off(("kda_features",)):
+        fused = _steps(model, True, monkeypatch, pad_row=1)
+        padded = _per_step(model, kda_whole=False)
+        assert ran == _per_step(model) + padded * 2 + _per_step(model, kda_whole=False, dsa_whole=False)
+        _assert_equal(fused, _steps(model, False, monkeypatch, pad_row=1))
 
 
 def test_dsa_dense_bypass_runs_by_its_ops(monkeypatch):
@@ -118,16 +129,20 @@ def test_dsa_block_with_the_pytorch_attention_form(monkeypatch):
         _assert_equal(fused, _steps(model, False, monkeypatch))
 
 
-@pytest.mark.parametrize("part", ["site_read", "rms_norm", "stream_write", "kda_decode_step", "swiglu", "moe_route",
-                                  "index_scores", "topk_mask"])
-def test_block_ops_off_without_their_parts(part):
+BLOCK_OPS = ("kda_block", "kda_block_pads", "dsa_block", "moe_half")
+
+
+@pytest.mark.parametrize("part, off", [
+    *((p, BLOCK_OPS) for p in ("site_read", "rms_norm", "stream_write", "swiglu", "moe_route")),
+    ("kda_decode_step", ("kda_block", "kda_block_pads")), ("kda_delta_step", ("kda_block_pads",)),
+    ("gated_head_norm", ("kda_block_pads",)), ("index_scores", ("dsa_block",)), ("topk_mask", ("dsa_block",)),
+    ("single_query_attention", ())])  # the DSA block op runs either attention form
+def test_block_ops_off_without_their_parts(part, off):
     """The op table switching off one op a block op calls switches the block op off (its values are that path's)."""
     with backend.cpp_ops_off((part,)), decode.fp32_step(True):
-        assert decode.cpp("kda_block") == (part in ("index_scores", "topk_mask"))
-        assert decode.cpp("dsa_block") == (part == "kda_decode_step")
-        assert decode.cpp("moe_half") == (part in ("kda_decode_step", "index_scores", "topk_mask"))
+        assert [op for op in BLOCK_OPS if not decode.cpp(op)] == [op for op in BLOCK_OPS if op in off]
     with decode.fp32_step(True):
-        assert decode.cpp("kda_block") and decode.cpp("dsa_block") and decode.cpp("moe_half")
+        assert all(decode.cpp(op) for op in BLOCK_OPS)
 
 
 @pytest.mark.parametrize("entry, off", [("moe_decode", FUSED), ("site_read", FUSED), ("rotary", ("dsa_block",)),

@@ -32,7 +32,7 @@ def test_direct_calls_equal_the_general_entries_bit_for_bit(monkeypatch, fused_m
     model = GLMModel(GLMConfig.preset("tiny", layer_pattern="LLS", index_top_k=4)).eval()  # 12 > 4: sparse decode
     taken: set[str] = set()
     # the block ops off (tests/test_block_decode.py compares them): each op's own direct entry runs
-    blocks = ("kda_block", "dsa_block", "moe_half")
+    blocks = tuple(decode.ENTRY_PARTS)  # the block ops
     ops = tuple(op for op in decode.OPS if op not in blocks and (fused_moe or op != "moe_decode"))
     monkeypatch.setattr(decode, "OPS", ops)
     real = decode.cpp

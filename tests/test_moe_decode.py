@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not cext.available(), reason="C++ ops disabled (
 
 def _steps(model: GLMModel, fused: bool, monkeypatch, rows: int, steps: int = 4) -> list[torch.Tensor]:
     """Logits of a prefill and `steps` decode steps, then the cache's state tensors; `fused`: the one-op MoE on."""
-    blocks = ("kda_block", "dsa_block", "moe_half")  # they call moe_decode from C++ (tests/test_block_decode.py)
+    blocks = tuple(decode.ENTRY_PARTS)  # the block ops call moe_decode from C++ (tests/test_block_decode.py)
     ops = tuple(op for op in decode.OPS if op not in blocks and (fused or op != "moe_decode"))
     monkeypatch.setattr(decode, "OPS", ops)
     gen = torch.Generator().manual_seed(1)

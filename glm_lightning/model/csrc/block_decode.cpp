@@ -5,10 +5,13 @@
 // and checks between them (~0.2-0.3 ms of Python per block at 1 thread). Here the same kernels run in the same order
 // as C++ function calls, so the values are those of the ops one by one bit for bit (tests/test_block_decode.py):
 //
-//   kda_block_decode(x [B, 1, n, C], conv_state, state, w, f, i) -> streams [B, 1, n, C]
+//   kda_block_decode(x [B, 1, n, C], conv_state, state, valid [B, 1] or None, w, f, i) -> streams [B, 1, n, C]
 //       (h, post, res) = site_read_decode(x);  h = rms_norm(h)
 //       raw = h W_qkv^T;  [f1 | g1 | b] = h [W_f1; W_g1; W_b]^T;  f = f1 W_f2^T + dt_bias;  gate = g1 W_g2^T + b_g2
-//       o = kda_decode_core(raw, f, b, ..., conv_state, state, gate, ...);  x = stream_write(res, x, post, o W_o^T)
+//       o = kda_decode_core(raw, f, b, ..., conv_state, state, gate, ...) (with padding rows: its ops one by one,
+//       kda_padded_core);  x = stream_write(res, x, post, o W_o^T);  then the MoE half below
+//   dsa_block_decode(x, k, v, index_k, key_valid, start, valid or None, cpp_attention, w, f, i) -> streams
+//       the site read and RMSNorm, DSA's sparse decode step (dsa_mixer) writing the cache at start, the stream write,
 //       then the MoE half below
 //   moe_half_decode(x [B, 1, n, C], w, f, i) -> streams [B, 1, n, C]
 //       (h, post, res) = site_read_decode(x);  h = rms_norm(h);  x = stream_write(res, x, post, moe_decode(h))
@@ -18,6 +21,7 @@
 // site's norm eps, Sinkhorn eps, the RMSNorm's eps; i: Sinkhorn iterations), then the sub-layer's (kda_mixer,
 // moe_layer below). The matrices are panel_pack's panels (fp32 or bf16).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -46,6 +50,9 @@ namespace kda_decode_ops {
 at::Tensor kda_decode_core(const at::Tensor& raw, const at::Tensor& f, const at::Tensor& b, const at::Tensor& A_log,
                            const at::Tensor& rescale, double lb, at::Tensor conv_state, const at::Tensor& conv_weight,
                            at::Tensor S, const at::Tensor& gate, const at::Tensor& norm_weight, double eps);
+at::Tensor conv_step_(at::Tensor conv_state, const at::Tensor& raw, const at::Tensor& weight);
+at::Tensor delta_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta, at::Tensor S);
 }
 namespace rotary_ops {
 at::Tensor rotary_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
@@ -112,11 +119,38 @@ Read read_normed(const at::Tensor& x, Args& a) {
   return {norm_ops::rms_norm(h, norm_weight, norm_eps), post, res};  // [rows, C]: rms_norm's rows, no view
 }
 
+// ops/kda_decode.py _kda_decode_step with padding rows (valid [B] False: an identity step of the state): the raw
+// projections zeroed at pads, the conv step, the features, the pads' k, g and beta zeroed, the delta step and the
+// gated head norm, the separate C++ ops in that order (kda_decode_core has no pads) -> [rows, HK].
+at::Tensor kda_padded_core(const at::Tensor& raw, const at::Tensor& f, const at::Tensor& b, const at::Tensor& A_log,
+                           const at::Tensor& rescale, double lb, const at::Tensor& conv_state,
+                           const at::Tensor& conv_weight, const at::Tensor& S, const at::Tensor& gate,
+                           const at::Tensor& norm_weight, double eps, const at::Tensor& valid) {
+  static auto features = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("glm_lightning::kda_features", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, double)>();
+  static auto head_norm = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("glm_lightning::gated_head_norm", "")
+                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  const int64_t B = S.size(0), H = S.size(1), K = S.size(2);
+  const at::Tensor pad = valid.logical_not().view({B, 1}), pad3 = pad.view({B, 1, 1});
+  const at::Tensor y = kda_decode_ops::conv_step_(conv_state, raw.masked_fill(pad, 0.0), conv_weight);  // [B, 3HK]
+  auto [qk, g, beta] = features.call(y, f, b, A_log.exp(), rescale, lb);
+  const at::Tensor qk3 = qk.view({B, 2 * H, K});
+  const at::Tensor o = kda_decode_ops::delta_step_(
+      qk3.slice(1, 0, H), qk3.slice(1, H, 2 * H).masked_fill(pad3, 0.0), y.view({B, 3 * H, K}).slice(1, 2 * H),
+      g.view({B, H, K}).masked_fill(pad3, 0.0), beta.view({B, H}).masked_fill(pad, 0.0), S);  // [B, H, K]
+  return head_norm.call(o, gate, norm_weight, eps).view({B, H * K});
+}
+
 // KDA's decode step (kda.py KDAttention.forward: _projections, ops.kda_decode_step's core, o_proj) on the normed h
 // [rows, C]; conv_state and state updated in place. w: [W_q; W_k; W_v], [W_f1; W_g1; W_b], W_f2, dt_bias, W_g2, b_g2
 // (panels and vectors), the conv weight [3HK, ks], A_log, the q/k rescale, the head norm's weight, W_o; f: the gate's
 // lower bound, the head norm's eps; i: H, K, C.
-at::Tensor kda_mixer(const at::Tensor& h, const at::Tensor& conv_state, const at::Tensor& state, Args& a) {
+at::Tensor kda_mixer(const at::Tensor& h, const at::Tensor& conv_state, const at::Tensor& state,
+                     const std::optional<at::Tensor>& valid, Args& a) {
   const at::Tensor& qkv = a.tensor();
   const at::Tensor& small = a.tensor();
   const at::Tensor& f_b = a.tensor();
@@ -134,8 +168,13 @@ at::Tensor kda_mixer(const at::Tensor& h, const at::Tensor& conv_state, const at
   const at::Tensor fgb = panel_ops::panel_matmul(h, small, 2 * K + H, std::nullopt, std::nullopt);  // [f1 | g1 | b]
   const at::Tensor f = panel_ops::panel_matmul(fgb.slice(-1, 0, K), f_b, H * K, std::nullopt, dt_bias);
   const at::Tensor gate = panel_ops::panel_matmul(fgb.slice(-1, K, 2 * K), g_b, H * K, std::nullopt, g_bias);
-  const at::Tensor o = kda_decode_ops::kda_decode_core(raw, f, fgb.slice(-1, 2 * K, 2 * K + H), A_log, rescale, lb,
-                                                       conv_state, conv_weight, state, gate, norm_weight, norm_eps);
+  const at::Tensor b = fgb.slice(-1, 2 * K, 2 * K + H);
+  const at::Tensor o =
+      valid.has_value()
+          ? kda_padded_core(raw, f, b, A_log, rescale, lb, conv_state, conv_weight, state, gate, norm_weight, norm_eps,
+                            *valid)
+          : kda_decode_ops::kda_decode_core(raw, f, b, A_log, rescale, lb, conv_state, conv_weight, state, gate,
+                                            norm_weight, norm_eps);
   return panel_ops::panel_matmul(o, o_proj, C, std::nullopt, std::nullopt);
 }
 
@@ -242,11 +281,14 @@ at::Tensor moe_half_decode(const at::Tensor& x, at::TensorList w, at::ArrayRef<d
 }
 
 at::Tensor kda_block_decode(const at::Tensor& x, const at::Tensor& conv_state, const at::Tensor& state,
-                            at::TensorList w, at::ArrayRef<double> f, at::IntArrayRef i) {
+                            const std::optional<at::Tensor>& valid, at::TensorList w, at::ArrayRef<double> f,
+                            at::IntArrayRef i) {
   check_streams(x);
+  TORCH_CHECK(!valid.has_value() || (valid->scalar_type() == at::kBool && valid->numel() == x.size(0)),
+              "valid must be bool [B, 1]");
   Args a(w, f, i);
   const Read r = read_normed(x, a);
-  const at::Tensor mid = streams_ops::stream_write(r.res, x, r.post, kda_mixer(r.h, conv_state, state, a));
+  const at::Tensor mid = streams_ops::stream_write(r.res, x, r.post, kda_mixer(r.h, conv_state, state, valid, a));
   at::Tensor out = moe_half(mid, a);
   a.check_done();
   return out;
@@ -271,8 +313,8 @@ at::Tensor dsa_block_decode(const at::Tensor& x, const at::Tensor& k_cache, cons
 }  // namespace block_decode_ops
 
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
-  m.def("kda_block_decode(Tensor x, Tensor(a!) conv_state, Tensor(b!) state, Tensor[] w, float[] f, int[] i) "
-        "-> Tensor");
+  m.def("kda_block_decode(Tensor x, Tensor(a!) conv_state, Tensor(b!) state, Tensor? valid, Tensor[] w, float[] f, "
+        "int[] i) -> Tensor");
   m.def("moe_half_decode(Tensor x, Tensor[] w, float[] f, int[] i) -> Tensor");
   m.def("dsa_block_decode(Tensor x, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) index_k, Tensor(d!) key_valid, "
         "int start, Tensor? valid, bool cpp_attention, Tensor[] w, float[] f, int[] i) -> Tensor");

@@ -169,6 +169,13 @@ at::Tensor kda_decode_core(const at::Tensor& raw, const at::Tensor& f, const at:
                            at::Tensor S, const at::Tensor& gate, const at::Tensor& norm_weight, double eps) {
   return ::kda_decode_core(raw, f, b, A_log, rescale, lb, conv_state, conv_weight, S, gate, norm_weight, eps);
 }
+at::Tensor conv_step_(at::Tensor conv_state, const at::Tensor& raw, const at::Tensor& weight) {
+  return ::conv_step_(conv_state, raw, weight);
+}
+at::Tensor delta_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta, at::Tensor S) {
+  return ::delta_step_(q, k, v, g, beta, S);
+}
 }  // namespace kda_decode_ops
 
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {

@@ -7,11 +7,10 @@ Why: with every op of a decode step in C++, the step was still ~4-5 ms of Python
 16 rows, 1 thread): module calls, views and each op's entry checks between ~170 C++ calls. A block is now one call.
 
 Entered from ``Block.forward`` with a decoding cache; each entry returns None where the ops' path would not run these
-C++ forms on these tensors (outside an fp32 decode step, the op table switching a part off, padding rows for KDA,
-more rows than the few-row forms take, streams not contiguous fp32, one stream, a dense FFN, DSA's dense bypass
-or gathered form): the caller then runs the block's modules as before. The parameter lists are built once per
-generation and block, and kept in the generation's panel store beside the packed weights they hold
-(ops.matmul.packed: the same lifetime).
+C++ forms on these tensors (outside an fp32 decode step, the op table switching a part off, more rows than the
+few-row forms take, streams not contiguous fp32, one stream, a dense FFN, DSA's dense bypass or gathered form): the
+caller then runs the block's modules as before. The parameter lists are built once per generation and block, and
+kept in the generation's panel store beside the packed weights they hold (ops.matmul.packed: the same lifetime).
 """
 
 from __future__ import annotations
@@ -34,13 +33,17 @@ def block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) -> Ten
 
 def kda_block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) -> Tensor | None:
     """A KDA block's decode step (mHC site, RMSNorm, KDA, then the MoE half) on streams [B, 1, n, C], the layer's
-    KDACache updated in place; None where the ops' path would not run it as these C++ forms."""
-    if valid is not None or not decode.cpp("kda_block") or not _takes(streams) or not cache.writable():
+    KDACache updated in place, with padding rows (``valid`` [B, 1] False) as identity steps where the padded path's
+    C++ ops are on (``kda_block_pads``); None where the ops' path would not run it as these C++ forms."""
+    if not decode.cpp("kda_block") or not _takes(streams) or not cache.writable():
+        return None
+    if valid is not None and not decode.cpp("kda_block_pads"):
         return None
     args = _cached(block, "kda_block", lambda: _kda_args(block, cache))
     if args is None:
         return None
-    return torch.ops.glm_lightning.kda_block_decode(streams, cache.conv_state, cache.state, *args)
+    return torch.ops.glm_lightning.kda_block_decode(streams, cache.conv_state, cache.state,
+                                                    None if valid is None else valid.to(torch.bool), *args)
 
 
 def dsa_block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) -> Tensor | None:
