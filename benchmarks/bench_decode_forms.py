@@ -28,7 +28,7 @@ runs the blocks by their modules):
   attribute lookups and KDA's cached input weights looked up after its twelve module lookups: the decode step before
   this work (commit f645ffb).
 
-    python -m benchmarks.bench_decode_forms [--rounds 30]
+    python -m benchmarks.bench_decode_forms [--rounds 30] [--padded 1]
 """
 
 from __future__ import annotations
@@ -110,12 +110,14 @@ FORMS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 }
 
 
-def run(rounds: int, rows: int = 16, prompt_len: int = 64) -> dict[str, dict[str, float]]:
-    """{form: {"ms": median CPU ms of a step, "min_ms": the least, "ops": ATen ops of a step}}."""
+def run(rounds: int, rows: int = 16, prompt_len: int = 64, padded: int = 0) -> dict[str, dict[str, float]]:
+    """{form: {"ms": median CPU ms of a step, "min_ms": the least, "ops": ATen ops of a step}}; ``padded``: that many
+    rows of the step are padding (finished rows, as generation feeds them)."""
     torch.manual_seed(0)
     model = GLMModel(GLMConfig.preset("flash-25m")).eval()
     prompt = torch.randint(0, 256, (1, prompt_len))
     tok = torch.randint(0, 256, (rows, 1))
+    valid = None if padded == 0 else torch.arange(rows)[:, None] >= padded
     times: dict[str, list[float]] = {name: [] for name in FORMS}
     ops: dict[str, int] = {}
     with torch.inference_mode():
@@ -124,11 +126,11 @@ def run(rounds: int, rows: int = 16, prompt_len: int = 64) -> dict[str, dict[str
         for _ in range(2):  # pack the weights, warm every form
             for form in FORMS.values():
                 with form():
-                    model(tok, cache=base.repeat_interleave(rows))
+                    model(tok, valid=valid, cache=base.repeat_interleave(rows))
         for name, form in FORMS.items():
             cache = base.repeat_interleave(rows)
             with form(), profile(activities=[ProfilerActivity.CPU]) as prof:
-                model(tok, cache=cache)
+                model(tok, valid=valid, cache=cache)
             ops[name] = sum(1 for e in prof.events() if is_aten(e.name))
         names = list(FORMS)
         for r in range(rounds):
@@ -136,7 +138,7 @@ def run(rounds: int, rows: int = 16, prompt_len: int = 64) -> dict[str, dict[str
                 cache = base.repeat_interleave(rows)
                 with FORMS[name]():
                     t = time.process_time()
-                    model(tok, cache=cache)
+                    model(tok, valid=valid, cache=cache)
                     times[name].append(time.process_time() - t)
     return {name: {"ms": statistics.median(times[name]) * 1e3, "min_ms": min(times[name]) * 1e3, "ops": ops[name]}
             for name in FORMS}
@@ -145,13 +147,15 @@ def run(rounds: int, rows: int = 16, prompt_len: int = 64) -> dict[str, dict[str
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--padded", type=int, default=0, help="rows of the step that are padding (finished rows)")
     args = p.parse_args()
     torch.set_num_threads(1)
     from glm_lightning import machine
 
-    res = run(args.rounds)
+    res = run(args.rounds, padded=args.padded)
     cur, cur_min = res["current"]["ms"], res["current"]["min_ms"]
-    print(f"{machine.describe()}: flash-25m decode step, 16 rows, CPU ms over {args.rounds} alternated rounds")
+    print(f"{machine.describe()}: flash-25m decode step, 16 rows ({args.padded} padded), CPU ms over {args.rounds} "
+          "alternated rounds")
     print(f"{'form':<28}{'median':>8}{'x current':>11}{'min':>8}{'x current':>11}{'ATen ops':>10}")
     for name, r in res.items():
         print(f"{name:<28}{r['ms']:>8.2f}{r['ms'] / cur:>10.2f}x{r['min_ms']:>8.2f}{r['min_ms'] / cur_min:>10.2f}x"

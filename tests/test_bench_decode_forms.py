@@ -23,3 +23,9 @@ def test_every_earlier_form_dispatches_more_ops_than_the_current_step():
         elif name not in ("current", "blocks: ops one by one"):  # each earlier form patches the blocks' modules
             assert r["ops"] > blocks, (name, r["ops"], blocks)
     assert res["all of the above (f645ffb)"]["ops"] == max(r["ops"] for r in res.values())
+
+
+def test_a_padded_step_runs_the_block_ops_too():
+    """With a padding row (a finished row) the current step still dispatches fewer ATen ops than the blocks' modules."""
+    res = bench_decode_forms.run(rounds=1, rows=2, prompt_len=8, padded=1)
+    assert res["current"]["ops"] < res["blocks: ops one by one"]["ops"]
