@@ -7,8 +7,13 @@ on a machine shared with processes of the same priority, wall time also counts w
 the least one (the step least disturbed by the machine's other load), their ratios to the current code's, and the ATen
 ops of a step (torch.profiler, deterministic).
 
-The earlier forms are kept here only, as patches of the current code:
+The earlier forms are kept here only, as patches of the current code (each from before the block ops, so each also
+runs the blocks by their modules):
 
+- ``blocks: ops one by one``: each block's modules calling the ops one by one (site read, RMSNorm, the KDA layer's
+  projections and core or DSA's projections, norms, RoPE, cache writes, indexer and attention, o_proj, stream write,
+  the MoE layer: ~13 calls from Python per KDA block, ~40 per DSA block), instead of one op per block
+  (ops/block_decode.py).
 - ``site read: 2 ops``: the decode's site read as site_read + sinkhorn with the expansion of alpha, slices and views
   in Python (the training form's two ops), instead of the one op ``site_read_decode``.
 - ``RoPE: eager``: the DSA indexer's rotations as the eager form (~14 ops a call), instead of the one op
@@ -23,7 +28,7 @@ The earlier forms are kept here only, as patches of the current code:
   attribute lookups and KDA's cached input weights looked up after its twelve module lookups: the decode step before
   this work (commit f645ffb).
 
-    python -m benchmarks.bench_decode_forms [--rounds 30]
+    python -m benchmarks.bench_decode_forms [--rounds 30] [--padded 1]
 """
 
 from __future__ import annotations
@@ -80,13 +85,23 @@ def _both(*patches: contextlib.AbstractContextManager) -> Iterator[None]:
         yield
 
 
+BLOCKS = tuple(decode.ENTRY_PARTS)
+"""The block ops' decode entries (ops/block_decode.py): off in every earlier form."""
+
+
+def _entries_without(*ops: str) -> contextlib.AbstractContextManager:
+    """The decode entries without ``ops`` and without the block ops."""
+    return _patched(decode, "OPS", tuple(op for op in decode.OPS if op not in ops and op not in BLOCKS))
+
+
 FORMS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "current": contextlib.nullcontext,
+    "blocks: ops one by one": lambda: _entries_without(),
     "site read: 2 ops": lambda: _both(_patched(mhc_ops, "_site_read_no_grad", _site_read_two_ops),
-                                      _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "site_read"))),
-    "RoPE: eager": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "rotary")),
-    "linear: checks per call": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "linear")),
-    "MoE: ops one by one": lambda: _patched(decode, "OPS", tuple(op for op in decode.OPS if op != "moe_decode")),
+                                      _entries_without("site_read")),
+    "RoPE: eager": lambda: _entries_without("rotary"),
+    "linear: checks per call": lambda: _entries_without("linear"),
+    "MoE: ops one by one": lambda: _entries_without("moe_decode"),
     "ops' entries per call": lambda: _patched(decode, "OPS", ()),
     "all of the above (f645ffb)": lambda: _both(
         _patched(mhc_ops, "_site_read_no_grad", _site_read_two_ops), _patched(decode, "OPS", ()),
@@ -95,12 +110,14 @@ FORMS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 }
 
 
-def run(rounds: int, rows: int = 16, prompt_len: int = 64) -> dict[str, dict[str, float]]:
-    """{form: {"ms": median CPU ms of a step, "min_ms": the least, "ops": ATen ops of a step}}."""
+def run(rounds: int, rows: int = 16, prompt_len: int = 64, padded: int = 0) -> dict[str, dict[str, float]]:
+    """{form: {"ms": median CPU ms of a step, "min_ms": the least, "ops": ATen ops of a step}}; ``padded``: that many
+    rows of the step are padding (finished rows, as generation feeds them)."""
     torch.manual_seed(0)
     model = GLMModel(GLMConfig.preset("flash-25m")).eval()
     prompt = torch.randint(0, 256, (1, prompt_len))
     tok = torch.randint(0, 256, (rows, 1))
+    valid = None if padded == 0 else torch.arange(rows)[:, None] >= padded
     times: dict[str, list[float]] = {name: [] for name in FORMS}
     ops: dict[str, int] = {}
     with torch.inference_mode():
@@ -109,11 +126,11 @@ def run(rounds: int, rows: int = 16, prompt_len: int = 64) -> dict[str, dict[str
         for _ in range(2):  # pack the weights, warm every form
             for form in FORMS.values():
                 with form():
-                    model(tok, cache=base.repeat_interleave(rows))
+                    model(tok, valid=valid, cache=base.repeat_interleave(rows))
         for name, form in FORMS.items():
             cache = base.repeat_interleave(rows)
             with form(), profile(activities=[ProfilerActivity.CPU]) as prof:
-                model(tok, cache=cache)
+                model(tok, valid=valid, cache=cache)
             ops[name] = sum(1 for e in prof.events() if is_aten(e.name))
         names = list(FORMS)
         for r in range(rounds):
@@ -121,7 +138,7 @@ def run(rounds: int, rows: int = 16, prompt_len: int = 64) -> dict[str, dict[str
                 cache = base.repeat_interleave(rows)
                 with FORMS[name]():
                     t = time.process_time()
-                    model(tok, cache=cache)
+                    model(tok, valid=valid, cache=cache)
                     times[name].append(time.process_time() - t)
     return {name: {"ms": statistics.median(times[name]) * 1e3, "min_ms": min(times[name]) * 1e3, "ops": ops[name]}
             for name in FORMS}
@@ -130,13 +147,15 @@ def run(rounds: int, rows: int = 16, prompt_len: int = 64) -> dict[str, dict[str
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--padded", type=int, default=0, help="rows of the step that are padding (finished rows)")
     args = p.parse_args()
     torch.set_num_threads(1)
     from glm_lightning import machine
 
-    res = run(args.rounds)
+    res = run(args.rounds, padded=args.padded)
     cur, cur_min = res["current"]["ms"], res["current"]["min_ms"]
-    print(f"{machine.describe()}: flash-25m decode step, 16 rows, CPU ms over {args.rounds} alternated rounds")
+    print(f"{machine.describe()}: flash-25m decode step, 16 rows ({args.padded} padded), CPU ms over {args.rounds} "
+          "alternated rounds")
     print(f"{'form':<28}{'median':>8}{'x current':>11}{'min':>8}{'x current':>11}{'ATen ops':>10}")
     for name, r in res.items():
         print(f"{name:<28}{r['ms']:>8.2f}{r['ms'] / cur:>10.2f}x{r['min_ms']:>8.2f}{r['min_ms'] / cur_min:>10.2f}x"

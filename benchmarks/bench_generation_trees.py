@@ -6,7 +6,9 @@ generate call each per round, in alternating order, so that load changes on a sh
 per round and as medians: tokens/s of wall time and per CPU second of the worker (on a machine shared with processes
 of the same priority, wall time also counts what the scheduler gave to others), and the ratios.
 
-    python -m benchmarks.bench_generation_trees /path/to/other/checkout [--rounds 6]
+    python -m benchmarks.bench_generation_trees /path/to/other/checkout [--rounds 6] [--precision bf16]
+
+``--precision bf16`` samples from generation.sampling_weights' bf16 copy (bf16 panels) in both trees.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ model = GLMModel(GLMConfig.preset("flash-25m")).eval()
 prompt = torch.randint(0, 256, (1, 64))
 def run():
     generate(model, prompt, max_new_tokens=48, num_samples=16, temperature=1.0, eos_id=None,
-             generator=torch.Generator().manual_seed(0))
+             generator=torch.Generator().manual_seed(0), precision=sys.argv[1])
 run()  # warm-up (builds or loads the tree's C++ library)
 print("ready", flush=True)
 for _ in sys.stdin:
@@ -46,9 +48,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("other", type=Path, help="the other checkout's root (its glm_lightning/ is imported from there)")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--precision", default="32", choices=("32", "bf16"), help="bf16: generation's bf16 sampling copy")
     args = p.parse_args()
     trees = {"other": args.other.resolve(), "this": ROOT}
-    procs = {name: subprocess.Popen([sys.executable, "-c", WORKER], cwd=tree, stdin=subprocess.PIPE,
+    procs = {name: subprocess.Popen([sys.executable, "-c", WORKER, args.precision], cwd=tree, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
              for name, tree in trees.items()}
     try:
@@ -68,7 +71,8 @@ def main() -> None:
         for proc in procs.values():
             proc.stdin.close()
             proc.wait()
-    print(f"cached generation, flash-25m, 16 x 48, 1 thread; this = {ROOT}, other = {trees['other']}")
+    print(f"cached generation, flash-25m, 16 x 48, precision {args.precision}, 1 thread; this = {ROOT}, "
+          f"other = {trees['other']}")
     for name in trees:
         print(f"{name:6s} median {TOKENS / statistics.median(t[0] for t in times[name]):5.0f} tok/s, "
               f"{TOKENS / statistics.median(t[1] for t in times[name]):5.0f} per CPU second")

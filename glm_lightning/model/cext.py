@@ -42,7 +42,8 @@ import torch
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
     "sinkhorn.cpp", "state_scan.cpp", "streams.cpp", "kda_decode.cpp", "small_matmul.cpp", "kda_recurrent.cpp",
     "site_read.cpp", "short_conv.cpp", "swiglu.cpp", "moe_rows.cpp", "kda_pointwise.cpp", "moe_route.cpp",
-    "rms_norm.cpp", "decode_attention.cpp", "panel_matmul.cpp", "rotary.cpp", "moe_decode.cpp"))
+    "rms_norm.cpp", "decode_attention.cpp", "panel_matmul.cpp", "rotary.cpp", "moe_decode.cpp",
+    "block_decode.cpp"))
 HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("kernel_helpers.h", "lanes.h", "sinkhorn.h"))
 """Included by the sources: hashed with them, so that a change rebuilds the library."""
 BUILD_TIMEOUT_S = 2400

@@ -24,7 +24,7 @@ from glm_lightning.model.mhc import HyperConnection, collapse_streams, expand_st
 from glm_lightning.model.mlp import DenseSwiGLU
 from glm_lightning.model.moe import MoE
 from glm_lightning.model.norm import RMSNorm
-from glm_lightning.model.ops import decode, linear
+from glm_lightning.model.ops import block_decode, decode, linear
 from glm_lightning.model.ops.matmul import packed_weights
 
 
@@ -56,9 +56,17 @@ class Block(nn.Module):
     def forward(self, streams: torch.Tensor, valid: torch.Tensor | None = None,
                 cache: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [B,T,n,C] -> (streams, aux loss of this block: DSA indexer loss + MoE balance loss)."""
+        if cache is not None:  # a decode step's block as one op, where it takes it (ops/block_decode.py)
+            out = block_decode.block(self, streams, valid, cache)
+            if out is not None:
+                return out, self.moe._no_aux
         h, maps = self.hc_mixer.read(streams)
         y, mixer_aux = self.mixer(self.mixer_norm(h), valid=valid, cache=cache)
         streams = self.hc_mixer.write(streams, maps, y)
+        if cache is not None:  # a decode step's MoE half as one op, where it takes it
+            out = block_decode.moe_half(self, streams)
+            if out is not None:
+                return out, mixer_aux
         h, maps = self.hc_moe.read(streams)
         # with a cache and nothing to train (decoding) no one reads the balance loss (DSA skips its own likewise)
         y, moe_aux = self.moe(self.moe_norm(h), want_aux=cache is None or (self.training and torch.is_grad_enabled()))

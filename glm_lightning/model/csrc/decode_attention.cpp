@@ -204,6 +204,19 @@ at::Tensor topk_mask_one(const at::Tensor& scores_in, const at::Tensor& allowed,
 
 }  // namespace
 
+namespace decode_attention_ops {  // block_decode.cpp calls them as C++ functions (no dispatch per call)
+at::Tensor index_scores_one(const at::Tensor& q, const at::Tensor& w, const at::Tensor& k) {
+  return ::index_scores_one(q, w, k);
+}
+at::Tensor topk_mask_one(const at::Tensor& scores, const at::Tensor& allowed, int64_t top_k) {
+  return ::topk_mask_one(scores, allowed, top_k);
+}
+at::Tensor single_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& mask, double scale) {
+  return ::single_query_attention(q, k, v, mask, scale);
+}
+}  // namespace decode_attention_ops
+
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("index_scores_one(Tensor q, Tensor w, Tensor k) -> Tensor");
   m.def("topk_mask_one(Tensor scores, Tensor allowed, int top_k) -> Tensor");

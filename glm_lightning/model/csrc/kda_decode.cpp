@@ -163,6 +163,21 @@ at::Tensor kda_decode_core(const at::Tensor& raw, const at::Tensor& f, const at:
 
 }  // namespace
 
+namespace kda_decode_ops {  // block_decode.cpp calls it as a C++ function (no dispatch per call)
+at::Tensor kda_decode_core(const at::Tensor& raw, const at::Tensor& f, const at::Tensor& b, const at::Tensor& A_log,
+                           const at::Tensor& rescale, double lb, at::Tensor conv_state, const at::Tensor& conv_weight,
+                           at::Tensor S, const at::Tensor& gate, const at::Tensor& norm_weight, double eps) {
+  return ::kda_decode_core(raw, f, b, A_log, rescale, lb, conv_state, conv_weight, S, gate, norm_weight, eps);
+}
+at::Tensor conv_step_(at::Tensor conv_state, const at::Tensor& raw, const at::Tensor& weight) {
+  return ::conv_step_(conv_state, raw, weight);
+}
+at::Tensor delta_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                       const at::Tensor& beta, at::Tensor S) {
+  return ::delta_step_(q, k, v, g, beta, S);
+}
+}  // namespace kda_decode_ops
+
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("kda_decode_core(Tensor raw, Tensor f, Tensor b, Tensor A_log, Tensor rescale, float lb, "
         "Tensor(a!) conv_state, Tensor conv_weight, Tensor(b!) S, Tensor gate, Tensor norm_weight, float eps) -> Tensor");

@@ -157,6 +157,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_head_norm_backward(const at
 
 }  // namespace
 
+namespace norm_ops {  // block_decode.cpp calls it as a C++ function (no dispatch per call)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) { return ::rms_norm(x, w, eps); }
+}  // namespace norm_ops
+
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor w, float eps) -> (Tensor, Tensor)");

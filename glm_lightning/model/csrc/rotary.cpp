@@ -49,6 +49,12 @@ at::Tensor rotary_one(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 
 }  // namespace
 
+namespace rotary_ops {  // block_decode.cpp calls it as a C++ function (no dispatch per call)
+at::Tensor rotary_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return ::rotary_one(x, cos, sin);
+}
+}  // namespace rotary_ops
+
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("rotary_one(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }

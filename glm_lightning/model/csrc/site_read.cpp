@@ -324,6 +324,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
 
 }  // namespace
 
+namespace site_read_ops {  // block_decode.cpp calls it as a C++ function (no dispatch per call)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> site_read_decode(
+    const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha, const at::Tensor& alpha_index,
+    const at::Tensor& bias, const at::Tensor& scale, const at::Tensor& shift, double norm_eps, int64_t iters,
+    double eps) {
+  return ::site_read_decode(x, phi, alpha, alpha_index, bias, scale, shift, norm_eps, iters, eps);
+}
+}  // namespace site_read_ops
+
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("site_read(Tensor x, Tensor phi, Tensor alpha_e, Tensor bias, Tensor scale, Tensor shift, float norm_eps) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");

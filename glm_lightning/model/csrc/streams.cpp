@@ -215,6 +215,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stream_write_backward
 
 }  // namespace
 
+namespace streams_ops {  // block_decode.cpp calls it as a C++ function (no dispatch per call)
+at::Tensor stream_write(const at::Tensor& res, const at::Tensor& x, const at::Tensor& post, const at::Tensor& y) {
+  return ::stream_write(res, x, post, y);
+}
+}  // namespace streams_ops
+
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("stream_read(Tensor w, Tensor x) -> Tensor");
   m.def("stream_read_backward(Tensor grad, Tensor w, Tensor x) -> (Tensor, Tensor)");

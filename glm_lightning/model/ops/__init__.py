@@ -27,6 +27,8 @@ decision, made once per step: the decode-only entries of a few ops call their C+
 | MoE routing, experts, shared expert | ``moe_route``, ``moe_experts``, ``swiglu_mlp``, ``moe_decode`` | moe.py |
 | DSA indexer scores, top-k, decode attention | ``index_scores``, ``topk_mask``, ``topk_select``, ``decode_attention``,
   ``single_query_attention`` | dsa.py |
+| a decode step's block (KDA, DSA, or its MoE half) as one op, the kernels above in their order | ``block``,
+  ``moe_half`` (called by model.Block) | block_decode.py |
 """
 
 from glm_lightning.model.ops import choice, reference

@@ -21,11 +21,21 @@ import torch
 
 from glm_lightning.model.ops import backend
 
-OPS = ("rms_norm", "site_read", "stream_write", "kda_decode_step", "moe_route", "rotary", "linear", "moe_decode")
-"""The ops with a decode-only entry (by the names they pass to ``backend.takes``)."""
+OPS = ("rms_norm", "site_read", "stream_write", "kda_decode_step", "moe_route", "rotary", "linear", "moe_decode",
+       "moe_half", "kda_block", "kda_block_pads", "dsa_block")
+"""The ops with a decode-only entry (by the names they pass to ``backend.takes``), a block op after the entries it
+calls."""
 
-PARTS = {"moe_decode": ("linear", "moe_route", "swiglu", "rows_scatter", "rows_gather_sum")}
+PARTS = {"moe_decode": ("linear", "moe_route", "swiglu", "rows_scatter", "rows_gather_sum"),
+         "dsa_block": ("index_scores", "topk_mask"),
+         "kda_block_pads": ("kda_conv_step", "kda_features", "kda_delta_step", "gated_head_norm")}
 """The ops whose kernels a fused decode op calls: it is on only where all of them are (same values as their path)."""
+
+ENTRY_PARTS = {"moe_half": ("site_read", "rms_norm", "stream_write", "moe_decode"),
+               "kda_block": ("moe_half", "linear", "kda_decode_step"),
+               "kda_block_pads": ("kda_block",),
+               "dsa_block": ("moe_half", "linear", "rms_norm", "rotary")}
+"""The decode entries whose C++ forms a block op (ops/block_decode.py) calls: it is on only where all of them are."""
 
 _on: frozenset[str] = frozenset()
 """The ops of OPS whose C++ form the decode step in progress calls directly; empty outside one."""
@@ -45,9 +55,13 @@ def fp32_step(active: bool) -> Iterator[None]:
 
 
 def _cpp_forms() -> frozenset[str]:
-    """The ops of OPS whose C++ form is on, a fused op only with all its PARTS."""
+    """The ops of OPS whose C++ form is on, a fused op only with all its PARTS and ENTRY_PARTS."""
     on = backend.cpp_forms((*OPS, *(p for parts in PARTS.values() for p in parts)))
-    return frozenset(op for op in OPS if op in on and on.issuperset(PARTS.get(op, ())))
+    chosen: set[str] = set()
+    for op in OPS:  # a block op after the entries it calls
+        if op in on and on.issuperset(PARTS.get(op, ())) and chosen.issuperset(ENTRY_PARTS.get(op, ())):
+            chosen.add(op)
+    return frozenset(chosen)
 
 
 def cpp(op: str) -> bool:
