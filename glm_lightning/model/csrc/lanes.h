@@ -50,6 +50,14 @@ struct Lanes {
   // The sums of N vectors a[0..N-1] as one vector (lane i = sum(a[i]), bit for bit: lanes added in sum's order), N - 1
   // adds and 2 (N - 1) shuffles instead of N trees. (The name is from the 16-lane AVX-512 form: N vectors in general.)
   static Vec sums16(const Vec* a) { return reduce<N>(a); }
+  // One step of sums16's tree: x's and y's groups of 2g partial sums halved, x's groups first. A kernel that makes its
+  // N vectors one at a time can reduce them depth first (pairs of vectors with g = N/2, pairs of those with N/4, ...,
+  // the last with 1): the same adds as sums16, bit for bit, with a few vectors live instead of N.
+  template <int g>
+  static Vec half_step(const Vec& x, const Vec& y) {
+    return half_pick<g, 0>(x, y, std::make_integer_sequence<int, N>{}) +
+           half_pick<g, 1>(x, y, std::make_integer_sequence<int, N>{});
+  }
 
  private:
   // Lane i (< 2g) plus lane i + g, for g = N/2, ..., 1: lane 0 ends as the sum.
@@ -60,11 +68,6 @@ struct Lanes {
       return s;
     else
       return fold<g / 2>(s, lanes);
-  }
-  template <int g>
-  static Vec half_step(const Vec& x, const Vec& y) {
-    return half_pick<g, 0>(x, y, std::make_integer_sequence<int, N>{}) +
-           half_pick<g, 1>(x, y, std::make_integer_sequence<int, N>{});
   }
   template <int g, int hi, int... I>
   static Vec half_pick(const Vec& x, const Vec& y, std::integer_sequence<int, I...>) {
