@@ -1,11 +1,13 @@
 // KDA's core for training as the per-token recurrence (glm_lightning/model/kda.py, kda_recurrent), one CPU op per
-// direction: each (row, head) keeps its [K, V] state in registers / L1 and walks its tokens.
+// direction: each (row, head) keeps its [K, V] state in L1 and walks its tokens, one pass over the state's rows per token
+// (the next token's decay and S'^T k folded into the pass that updates the state; the backward fuses token t's second
+// half with token t-1's first half).
 //
 // Why: for the small heads of this lab the recurrence does fewer FLOPs than the chunked (WY / UT) form: 4 K V
 // multiply-adds per token (decay, S^T k, rank-1 update, S^T q) against ~8 K V for the chunked form at C = 32 (the
 // [C, C] products, the triangular solve, the hand-off). The chunked form pays that to turn the recurrence into
 // matmuls for GPU tensor cores; on a CPU the B * H independent sequences already fill the cores, and a head's state
-// is 16-64 vector registers.
+// stays in L1 (4 KB at K = V = 32).
 //
 // Forward, per token t (S_{-1} = S0, a_t = exp(g_t), rows d < K of S are the key channels):
 //   S'_t = Diag(a_t) S_{t-1},  e_t = v_t - S'_t^T k_t,  u_t = beta_t e_t,  S_t = S'_t + k_t u_t^T,  o_t = S_t^T q_t.
@@ -14,7 +16,7 @@
 //   dbeta_t = du . e_t,  de = beta_t du,  dv_t = de,  dS' = dS - k_t de^T,  dg_t = rowsum(dS' * S'_t),
 //   dS_{t-1} = Diag(a_t) dS'.
 // The forward saves the state every `seg` tokens (S_ckpt [B*H, N+1, K, V], N = ceil(T / seg), the last entry the
-// final state); the backward recomputes a segment's states from its checkpoint, then walks it back.
+// final state); the backward recomputes a segment's S'_t and e_t from its checkpoint, then walks it back.
 //
 //   kda_recurrent_fwd(q, k, v, g, beta [B, T, H(, K)], S0 [B, H, K, V], seg) -> (o [B, T, H, V], S_ckpt)
 //   kda_recurrent_bwd(dO, dS_last, q, k, v, g, beta, S_ckpt, seg) -> (dq, dk, dv, dg, dbeta, dS0)
@@ -125,9 +127,10 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   T* ck = S_ckpt.data_ptr<T>();
   at::parallel_for(0, B * NH, 1, [&](int64_t begin, int64_t end) {
     glm_lightning_ops::FlushDenormals ftz;
-    // S'_t in a heap buffer: as a local array GCC replaced it by 64 vector variables, spilled and copied between the
-    // pass variants (no faster than the register-resident form)
-    std::vector<T> S_buf(K * V);
+    // S'_t and the decays in heap buffers: as local arrays GCC replaced the state by 64 vector variables, spilled and
+    // copied between the pass variants (no faster than the register-resident form), and permuted the decays into 32
+    // broadcast vectors per token (1.1x slower than broadcasting them from memory)
+    std::vector<T> S_buf(K * V), a_buf(K);
     T* S = S_buf.data();
     for (int64_t m = begin; m < end; ++m) {
       const int64_t bi = m / NH, h = m % NH;
@@ -139,7 +142,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         std::memcpy(ckm, s0m, K * V * sizeof(T));
         continue;
       }
-      T a[K];
+      T* a = a_buf.data();
       decays<T, K>(a, gs.at(0));
       Vec acc[P][NV];  // S'^T k for the token at hand
       H::zero(acc);
