@@ -580,6 +580,25 @@ def test_cpp_short_conv_equals_the_conv2d_path(B, T, Ch, ks, monkeypatch):
     assert torch.autograd.gradcheck(ShortConvSiLU.apply, (xd, wd))
 
 
+@CPP
+@pytest.mark.parametrize("T", [1, 3, 37])
+def test_cpp_short_conv_walk_equals_the_general_loops_bit_for_bit(T):
+    """The 4-tap fp32 walk of csrc/short_conv.cpp (channels a multiple of the vector width) against the op's general
+    loops (which take a channel count that is not): the channels are independent, so the first 64 of a 65-channel input
+    give the same values, dx and dw bit for bit, also for rows shorter than the taps."""
+    gen = torch.Generator().manual_seed(T)
+    x, dy, w = torch.randn(2, T, 65, generator=gen), torch.randn(2, T, 65, generator=gen), torch.randn(65, 4, generator=gen)
+    conv = torch.ops.glm_lightning
+    y_walk = conv.short_conv_silu(x[..., :64].contiguous(), w[:64].contiguous())
+    dx_walk, dw_walk = conv.short_conv_silu_backward(dy[..., :64].contiguous(), x[..., :64].contiguous(),
+                                                     w[:64].contiguous())
+    y_gen = conv.short_conv_silu(x, w)
+    dx_gen, dw_gen = conv.short_conv_silu_backward(dy, x, w)
+    assert torch.equal(y_walk, y_gen[..., :64])
+    assert torch.equal(dx_walk, dx_gen[..., :64])
+    assert torch.equal(dw_walk, dw_gen[:64])
+
+
 def test_decode_step_in_place_equals_recurrent_step():
     """The decode step's PyTorch form (delta_step_, heads flattened into bmm batches) on strided slices of a fused q|k|v
     projection, as decoding passes them, equals one step of the reference recurrence, and writes S in place."""

@@ -1,11 +1,13 @@
 // KDA's core for training as the per-token recurrence (glm_lightning/model/kda.py, kda_recurrent), one CPU op per
-// direction: each (row, head) keeps its [K, V] state in registers / L1 and walks its tokens.
+// direction: each (row, head) keeps its [K, V] state in L1 and walks its tokens, one pass over the state's rows per token
+// (the next token's decay and S'^T k folded into the pass that updates the state; the backward fuses token t's second
+// half with token t-1's first half).
 //
 // Why: for the small heads of this lab the recurrence does fewer FLOPs than the chunked (WY / UT) form: 4 K V
 // multiply-adds per token (decay, S^T k, rank-1 update, S^T q) against ~8 K V for the chunked form at C = 32 (the
 // [C, C] products, the triangular solve, the hand-off). The chunked form pays that to turn the recurrence into
 // matmuls for GPU tensor cores; on a CPU the B * H independent sequences already fill the cores, and a head's state
-// is 16-64 vector registers.
+// stays in L1 (4 KB at K = V = 32).
 //
 // Forward, per token t (S_{-1} = S0, a_t = exp(g_t), rows d < K of S are the key channels):
 //   S'_t = Diag(a_t) S_{t-1},  e_t = v_t - S'_t^T k_t,  u_t = beta_t e_t,  S_t = S'_t + k_t u_t^T,  o_t = S_t^T q_t.
@@ -14,7 +16,7 @@
 //   dbeta_t = du . e_t,  de = beta_t du,  dv_t = de,  dS' = dS - k_t de^T,  dg_t = rowsum(dS' * S'_t),
 //   dS_{t-1} = Diag(a_t) dS'.
 // The forward saves the state every `seg` tokens (S_ckpt [B*H, N+1, K, V], N = ceil(T / seg), the last entry the
-// final state); the backward recomputes a segment's states from its checkpoint, then walks it back.
+// final state); the backward recomputes a segment's S'_t and e_t from its checkpoint, then walks it back.
 //
 //   kda_recurrent_fwd(q, k, v, g, beta [B, T, H(, K)], S0 [B, H, K, V], seg) -> (o [B, T, H, V], S_ckpt)
 //   kda_recurrent_bwd(dO, dS_last, q, k, v, g, beta, S_ckpt, seg) -> (dq, dk, dv, dg, dbeta, dS0)
@@ -24,7 +26,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernel_helpers.h"
@@ -43,90 +47,261 @@ inline Strides strides_of(const at::Tensor& x) {
   return {x.stride(0), x.stride(1), x.stride(2)};
 }
 
-// A head's [K, V] state as K rows of NV vectors.
-template <typename T, int K, int V>
-struct State {
-  static constexpr int NV = V / kLanes;
-  using L = Lanes<T>;
-  using Vec = typename L::Vec;
-  Vec r[K][NV];
-
-  void load(const T* p) {
-    for (int d = 0; d < K; ++d)
-      for (int j = 0; j < NV; ++j) r[d][j] = L::load(p + d * V + j * kLanes);
-  }
-  void store(T* p) const {
-    for (int d = 0; d < K; ++d)
-      for (int j = 0; j < NV; ++j) L::store(p + d * V + j * kLanes, r[d][j]);
-  }
+// One (row, head)'s tokens of a [B, T, H(, ...)] input: token t's row at p + t * st.
+template <typename T>
+struct Tokens {
+  const T* p;
+  int64_t st;
+  const T* at(int64_t t) const { return p + t * st; }
 };
 
-// One forward step on S in place (S_{t-1} -> S_t); returns e_t and u_t = beta e_t through e / u.
-template <typename T, int K, int V>
-inline void step(State<T, K, V>& S, const T* k, const T* v, const T* a, T beta, typename State<T, K, V>::Vec* e,
-                 typename State<T, K, V>::Vec* u) {
-  using L = Lanes<T>;
-  constexpr int NV = State<T, K, V>::NV;
-  typename L::Vec acc[4][NV];
-  for (int j = 0; j < NV; ++j) acc[0][j] = acc[1][j] = acc[2][j] = acc[3][j] = typename L::Vec{};
-  #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
-  for (int d = 0; d < K; ++d)
-    for (int j = 0; j < NV; ++j) {
-      S.r[d][j] *= a[d];
-      acc[d & 3][j] += k[d] * S.r[d][j];  // four partial sums: independent FMA chains
-    }
-  for (int j = 0; j < NV; ++j) {
-    e[j] = L::load(v + j * kLanes) - ((acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]));
-    u[j] = beta * e[j];
-  }
-  #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
-  for (int d = 0; d < K; ++d)
-    for (int j = 0; j < NV; ++j) S.r[d][j] += k[d] * u[j];
+template <typename T>
+inline Tokens<T> tokens_of(const at::Tensor& x, int64_t bi, int64_t h) {
+  const Strides s = strides_of(x);
+  return {x.data_ptr<T>() + bi * s.b + h * s.h, s.t};
 }
+
+// A head's [K, V] matrices (states, their gradients) live in memory as K rows of NV vectors, read and written once per
+// pass of a token: 64 vectors at K = V = 32 are twice the registers there are, and the register-resident form spilled
+// and reloaded each of them several times per token (~450 cycles per token forward against ~130 of FMAs).
+template <typename T, int K, int V>
+struct Head {
+  using L = Lanes<T>;
+  using Vec = typename L::Vec;
+  static constexpr int NV = V / kLanes;
+  // Partial sums of a reduction over the K rows (row d into d % P): independent FMA chains, P * NV registers.
+  static constexpr int P = NV >= 4 ? 2 : 4;
+  static Vec get(const T* m, int d, int j) { return L::load(m + d * V + j * kLanes); }
+  static void put(T* m, int d, int j, const Vec& x) { L::store(m + d * V + j * kLanes, x); }
+  static void zero(Vec (&acc)[P][NV]) {
+    for (int p = 0; p < P; ++p)
+      for (int j = 0; j < NV; ++j) acc[p][j] = Vec{};
+  }
+  static Vec total(const Vec (&acc)[P][NV], int j) {
+    if constexpr (P == 4)
+      return (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]);
+    else
+      return acc[0][j] + acc[1][j];
+  }
+};
 
 template <typename T, int K>
 inline void decays(T* a, const T* g) {
   for (int d = 0; d < K; ++d) a[d] = exp_(g[d]);
 }
 
+// The forward's one pass per token t over the rows of S (holding S'_t = Diag(a_t) S_{t-1}): S_t = S'_t + k_t u_t^T,
+// o += q_t-weighted rows (o_t = S_t^T q_t), S_t to `ckpt` (kCkpt), and for the next token (kNext) S'_{t+1} =
+// Diag(a_{t+1}) S_t back into S with its S'^T k_{t+1} into nk.
+template <typename T, int K, int V, bool kCkpt, bool kNext>
+__attribute__((always_inline)) inline void forward_pass(T* __restrict S, const T* __restrict kt,
+                                                        const typename Head<T, K, V>::Vec* u, const T* __restrict qt,
+                                                        T* __restrict ckpt, const T* __restrict an,
+                                                        const T* __restrict kn,
+                                                        typename Head<T, K, V>::Vec (&o)[Head<T, K, V>::P][Head<T, K, V>::NV],
+                                                        typename Head<T, K, V>::Vec (&nk)[Head<T, K, V>::P][Head<T, K, V>::NV]) {
+  using H = Head<T, K, V>;
+  #pragma GCC unroll 64
+  for (int d = 0; d < K; ++d)
+    for (int j = 0; j < H::NV; ++j) {
+      typename H::Vec s = H::get(S, d, j) + kt[d] * u[j];
+      o[d % H::P][j] += qt[d] * s;
+      if constexpr (kCkpt) H::put(ckpt, d, j, s);
+      if constexpr (kNext) {
+        s *= an[d];
+        nk[d % H::P][j] += kn[d] * s;
+        H::put(S, d, j, s);
+      }
+    }
+}
+
 template <typename T, int K, int V>
 void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                   const at::Tensor& beta, const at::Tensor& S0, int64_t seg, at::Tensor& o, at::Tensor& S_ckpt) {
-  using L = Lanes<T>;
-  using Vec = typename L::Vec;
-  constexpr int NV = V / kLanes;
-  const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), N = S_ckpt.size(1) - 1;
-  const Strides sq = strides_of(q), sk = strides_of(k), sv = strides_of(v), sg = strides_of(g),
-                sb = strides_of(beta), so = strides_of(o);
-  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>(), *gp = g.data_ptr<T>(),
-          *bp = beta.data_ptr<T>(), *s0 = S0.data_ptr<T>();
-  T *op = o.data_ptr<T>(), *ck = S_ckpt.data_ptr<T>();
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  using H = Head<T, K, V>;
+  using L = typename H::L;
+  using Vec = typename H::Vec;
+  constexpr int NV = H::NV, P = H::P;
+  const int64_t B = q.size(0), T_ = q.size(1), NH = q.size(2), N = S_ckpt.size(1) - 1;
+  const T* s0 = S0.data_ptr<T>();
+  T* ck = S_ckpt.data_ptr<T>();
+  at::parallel_for(0, B * NH, 1, [&](int64_t begin, int64_t end) {
     glm_lightning_ops::FlushDenormals ftz;
-    State<T, K, V> S;
+    // S'_t and the decays in heap buffers: as local arrays GCC replaced the state by 64 vector variables, spilled and
+    // copied between the pass variants (no faster than the register-resident form), and permuted the decays into 32
+    // broadcast vectors per token (1.1x slower than broadcasting them from memory)
+    std::vector<T> S_buf(K * V), a_buf(K);
+    T* S = S_buf.data();
     for (int64_t m = begin; m < end; ++m) {
-      const int64_t bi = m / H, h = m % H;
+      const int64_t bi = m / NH, h = m % NH;
+      const Tokens<T> qs = tokens_of<T>(q, bi, h), ks = tokens_of<T>(k, bi, h), vs = tokens_of<T>(v, bi, h),
+                      gs = tokens_of<T>(g, bi, h), bs = tokens_of<T>(beta, bi, h), os = tokens_of<T>(o, bi, h);
       T* ckm = ck + m * (N + 1) * K * V;
-      S.load(s0 + m * K * V);
-      for (int64_t t = 0; t < T_; ++t) {
-        if (t % seg == 0) S.store(ckm + (t / seg) * K * V);
-        const T* qt = qp + bi * sq.b + t * sq.t + h * sq.h;
-        const T* kt = kp + bi * sk.b + t * sk.t + h * sk.h;
-        T a[K];
-        decays<T, K>(a, gp + bi * sg.b + t * sg.t + h * sg.h);
-        Vec e[NV], u[NV];
-        step<T, K, V>(S, kt, vp + bi * sv.b + t * sv.t + h * sv.h, a, bp[bi * sb.b + t * sb.t + h * sb.h], e, u);
-        Vec acc[4][NV];  // o = S^T q
-        for (int j = 0; j < NV; ++j) acc[0][j] = acc[1][j] = acc[2][j] = acc[3][j] = Vec{};
-        #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
-        for (int d = 0; d < K; ++d)
-          for (int j = 0; j < NV; ++j) acc[d & 3][j] += qt[d] * S.r[d][j];
-        T* ot = op + bi * so.b + t * so.t + h * so.h;
-        for (int j = 0; j < NV; ++j) L::store(ot + j * kLanes, (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]));
+      const T* s0m = s0 + m * K * V;
+      if (T_ == 0) {  // no tokens: the final state is S0
+        std::memcpy(ckm, s0m, K * V * sizeof(T));
+        continue;
       }
-      S.store(ckm + N * K * V);
+      T* a = a_buf.data();
+      decays<T, K>(a, gs.at(0));
+      Vec acc[P][NV];  // S'^T k for the token at hand
+      H::zero(acc);
+      for (int d = 0; d < K; ++d)
+        for (int j = 0; j < NV; ++j) {
+          const Vec x = H::get(s0m, d, j);
+          H::put(ckm, d, j, x);  // checkpoint 0: S_{-1}
+          const Vec s = a[d] * x;
+          acc[d % P][j] += ks.at(0)[d] * s;
+          H::put(S, d, j, s);
+        }
+      int64_t ckpt_in = seg;  // tokens until the next checkpoint (no division per token)
+      for (int64_t t = 0; t < T_; ++t) {
+        Vec u[NV];
+        const T bt = *bs.at(t);
+        for (int j = 0; j < NV; ++j) u[j] = bt * (L::load(vs.at(t) + j * kLanes) - H::total(acc, j));
+        Vec out[P][NV];
+        H::zero(out);
+        H::zero(acc);
+        const bool next = t + 1 < T_;
+        if (next) decays<T, K>(a, gs.at(t + 1));
+        const T* kn = next ? ks.at(t + 1) : nullptr;
+        if (!next)
+          forward_pass<T, K, V, true, false>(S, ks.at(t), u, qs.at(t), ckm + N * K * V, a, kn, out, acc);
+        else if (--ckpt_in == 0) {
+          forward_pass<T, K, V, true, true>(S, ks.at(t), u, qs.at(t), ckm + (t + 1) / seg * K * V, a, kn, out, acc);
+          ckpt_in = seg;
+        } else
+          forward_pass<T, K, V, false, true>(S, ks.at(t), u, qs.at(t), nullptr, a, kn, out, acc);
+        T* ot = const_cast<T*>(os.at(t));
+        for (int j = 0; j < NV; ++j) L::store(ot + j * kLanes, H::total(out, j));
+      }
     }
   });
+}
+
+// A segment of the backward: its tokens' S'_t, e_t and a_t, recomputed from the segment's checkpoint.
+template <typename T, int K, int V>
+struct Segment {
+  std::vector<T> Sp, e, a;  // [seg, K, V], [seg, V], [seg, K]
+  explicit Segment(int64_t seg) : Sp(seg * K * V), e(seg * V), a(seg * K) {}
+  T* Sp_at(int64_t i) { return Sp.data() + i * K * V; }
+  T* e_at(int64_t i) { return e.data() + i * V; }
+  T* a_at(int64_t i) { return a.data() + i * K; }
+};
+
+// Tokens t0 .. t0 + len - 1 from ckpt = S_{t0-1}: S'_t = Diag(a_t) S_{t-1}, e_t = v_t - S'_t^T k_t, S_t = S'_t + k_t
+// (beta_t e_t)^T, in the forward's order of operations.
+template <typename T, int K, int V>
+void recompute(Segment<T, K, V>& sg, const T* ckpt, int64_t t0, int64_t len, const Tokens<T>& ks,
+               const Tokens<T>& vs, const Tokens<T>& gs, const Tokens<T>& bs) {
+  using H = Head<T, K, V>;
+  using L = typename H::L;
+  using Vec = typename H::Vec;
+  constexpr int NV = H::NV, P = H::P;
+  Vec acc[P][NV];
+  H::zero(acc);
+  decays<T, K>(sg.a_at(0), gs.at(t0));
+  const T *a0 = sg.a_at(0), *k0 = ks.at(t0);
+  T* S0 = sg.Sp_at(0);
+  for (int d = 0; d < K; ++d)
+    for (int j = 0; j < NV; ++j) {
+      const Vec s = a0[d] * H::get(ckpt, d, j);
+      acc[d % P][j] += k0[d] * s;
+      H::put(S0, d, j, s);
+    }
+  for (int64_t i = 0; i < len; ++i) {
+    const int64_t t = t0 + i;
+    Vec u[NV];
+    const T bt = *bs.at(t);
+    T* ei = sg.e_at(i);
+    for (int j = 0; j < NV; ++j) {
+      const Vec e = L::load(vs.at(t) + j * kLanes) - H::total(acc, j);
+      L::store(ei + j * kLanes, e);
+      u[j] = bt * e;
+    }
+    if (i + 1 == len) break;
+    decays<T, K>(sg.a_at(i + 1), gs.at(t + 1));
+    const T *kt = ks.at(t), *an = sg.a_at(i + 1), *kn = ks.at(t + 1);
+    const T* Si = sg.Sp_at(i);
+    T* Sn = sg.Sp_at(i + 1);
+    H::zero(acc);
+    #pragma GCC unroll 64
+    for (int d = 0; d < K; ++d)
+      for (int j = 0; j < NV; ++j) {
+        Vec s = H::get(Si, d, j) + kt[d] * u[j];
+        s *= an[d];
+        acc[d % P][j] += kn[d] * s;
+        H::put(Sn, d, j, s);
+      }
+  }
+}
+
+// A row's vectors of the backward's K-row dot products (dk, dg of one token, dq of the one before), reduced depth
+// first with Lanes::half_step (the sums of Lanes::sums16, bit for bit) as the rows come.
+template <typename Vec>
+struct RowSums {
+  Vec k, g, q;
+};
+
+template <typename L, int n, typename Row>
+__attribute__((always_inline)) inline RowSums<typename L::Vec> row_tree(int d0, Row& row) {
+  if constexpr (n == 1) {
+    return row(d0);
+  } else {
+    const RowSums<typename L::Vec> x = row_tree<L, n / 2>(d0, row);
+    const RowSums<typename L::Vec> y = row_tree<L, n / 2>(d0 + n / 2, row);
+    constexpr int g = kLanes / n;
+    return {L::template half_step<g>(x.k, y.k), L::template half_step<g>(x.g, y.g),
+            L::template half_step<g>(x.q, y.q)};
+  }
+}
+
+// What the backward carries between its passes for one token: its u, de, do, e and scalars.
+template <typename T, int K, int V>
+struct TokenGrads {
+  typename Head<T, K, V>::Vec u[Head<T, K, V>::NV], de[Head<T, K, V>::NV];
+};
+
+// The backward's one pass over the rows of dS: the second half of token t's step (kLate: dk_t, dg_t from dS_t, and
+// dS_{t-1} = Diag(a_t)(dS_t - k_t de_t^T)) fused with the first half of token s = t - 1's (kEarly: dS_s += q_s do_s^T,
+// du_s = dS_s^T k_s into du, the rows of S'_s do_s for dq_s). Returns through dk, dg (token t) and dq_rows (token s).
+template <typename T, int K, int V, bool kLate, bool kEarly>
+__attribute__((always_inline)) inline void backward_pass(
+    T* __restrict dS, const T* __restrict Sp_t, const T* __restrict kt, const T* __restrict at,
+    const TokenGrads<T, K, V>& late, const T* __restrict Sp_s, const T* __restrict qs, const T* __restrict ks, const typename Head<T, K, V>::Vec* dos, typename Head<T, K, V>::Vec (&du)[Head<T, K, V>::P][Head<T, K, V>::NV],
+    T* dk, T* dg, T* dq_rows) {
+  using H = Head<T, K, V>;
+  using L = typename H::L;
+  using Vec = typename H::Vec;
+  constexpr int NV = H::NV, P = H::P;
+  auto row = [&](int d) __attribute__((always_inline)) {
+    RowSums<Vec> r{Vec{}, Vec{}, Vec{}};
+    for (int j = 0; j < NV; ++j) {
+      Vec ds = H::get(dS, d, j);
+      if constexpr (kLate) {
+        const Vec sp = H::get(Sp_t, d, j);
+        r.k += ds * late.u[j] - sp * late.de[j];
+        ds -= kt[d] * late.de[j];
+        r.g += ds * sp;
+        ds *= at[d];
+      }
+      if constexpr (kEarly) {
+        ds += qs[d] * dos[j];
+        du[d % P][j] += ks[d] * ds;
+        r.q += H::get(Sp_s, d, j) * dos[j];
+      }
+      H::put(dS, d, j, ds);
+    }
+    return r;
+  };
+  for (int d0 = 0; d0 < K; d0 += kLanes) {
+    const RowSums<Vec> s = row_tree<L, kLanes>(d0, row);
+    if constexpr (kLate) {
+      L::store(dk + d0, s.k);
+      L::store(dg + d0, s.g);
+    }
+    if constexpr (kEarly) L::store(dq_rows + d0, s.q);
+  }
 }
 
 template <typename T, int K, int V>
@@ -134,114 +309,73 @@ void backward_impl(const at::Tensor& dO, const at::Tensor& dS_last, const at::Te
                    const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& S_ckpt,
                    int64_t seg, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dg, at::Tensor& dbeta,
                    at::Tensor& dS0) {
-  using L = Lanes<T>;
-  using Vec = typename L::Vec;
-  constexpr int NV = V / kLanes;
-  const int64_t B = q.size(0), T_ = q.size(1), H = q.size(2), N = S_ckpt.size(1) - 1;
-  const Strides sq = strides_of(q), sk = strides_of(k), sv = strides_of(v), sg = strides_of(g),
-                sb = strides_of(beta), sdo = strides_of(dO);
-  const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>(), *gp = g.data_ptr<T>(),
-          *bp = beta.data_ptr<T>(), *ck = S_ckpt.data_ptr<T>(), *dop = dO.data_ptr<T>(),
-          *dsl = dS_last.data_ptr<T>();
+  using H = Head<T, K, V>;
+  using L = typename H::L;
+  using Vec = typename H::Vec;
+  constexpr int NV = H::NV, P = H::P;
+  const int64_t B = q.size(0), T_ = q.size(1), NH = q.size(2), N = S_ckpt.size(1) - 1;
+  const T *ck = S_ckpt.data_ptr<T>(), *dsl = dS_last.data_ptr<T>();
   T *dqp = dq.data_ptr<T>(), *dkp = dk.data_ptr<T>(), *dvp = dv.data_ptr<T>(), *dgp = dg.data_ptr<T>(),
     *dbp = dbeta.data_ptr<T>(), *ds0 = dS0.data_ptr<T>();
   // dq, dk, dg: contiguous [B, T, H, K]; dv [B, T, H, V]; dbeta [B, T, H]
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * NH, 1, [&](int64_t begin, int64_t end) {
     glm_lightning_ops::FlushDenormals ftz;
-    std::vector<State<T, K, V>> prev(seg);  // S_{t-1} for each token of the segment
-    State<T, K, V> S, dS;
+    Segment<T, K, V> sg(seg);
+    std::vector<T> dS_buf(K * V), pq_buf(K);  // on the heap: see forward_impl
+    T *dS = dS_buf.data(), *pq = pq_buf.data();
     for (int64_t m = begin; m < end; ++m) {
-      const int64_t bi = m / H, h = m % H;
-      dS.load(dsl + m * K * V);
-      for (int64_t n = N - 1; n >= 0; --n) {
-        const int64_t t0 = n * seg, t1 = std::min(T_, t0 + seg);
-        S.load(ck + (m * (N + 1) + n) * K * V);
-        for (int64_t t = t0; t < t1; ++t) {  // the segment's states, recomputed from its checkpoint
-          prev[t - t0] = S;
-          if (t + 1 == t1) break;
-          T a[K];
-          decays<T, K>(a, gp + bi * sg.b + t * sg.t + h * sg.h);
-          Vec e[NV], u[NV];
-          step<T, K, V>(S, kp + bi * sk.b + t * sk.t + h * sk.h, vp + bi * sv.b + t * sv.t + h * sv.h, a,
-                        bp[bi * sb.b + t * sb.t + h * sb.h], e, u);
+      const int64_t bi = m / NH, h = m % NH;
+      const Tokens<T> qs = tokens_of<T>(q, bi, h), ks = tokens_of<T>(k, bi, h), vs = tokens_of<T>(v, bi, h),
+                      gs = tokens_of<T>(g, bi, h), bs = tokens_of<T>(beta, bi, h), dos = tokens_of<T>(dO, bi, h);
+      const auto row = [&](int64_t t) { return (bi * T_ + t) * NH + h; };
+      std::memcpy(dS, dsl + m * K * V, K * V * sizeof(T));
+      // Token s's first half done (du accumulated, S'_s do_s rows in pq): its dq, dbeta, dv, and u, de for its second
+      // half.
+      const auto finish_early = [&](int64_t s, int64_t i, const Vec (&du)[P][NV], const Vec* dov,
+                                    TokenGrads<T, K, V>& tg) {
+        const T bt = *bs.at(s);
+        const T* e = sg.e_at(i);
+        Vec pu{}, pb{};
+        for (int j = 0; j < NV; ++j) {
+          tg.u[j] = bt * L::load(e + j * kLanes);
+          pu += tg.u[j] * dov[j];
         }
-        for (int64_t t = t1 - 1; t >= t0; --t) {
-          const T* qt = qp + bi * sq.b + t * sq.t + h * sq.h;
-          const T* kt = kp + bi * sk.b + t * sk.t + h * sk.h;
-          const T* vt = vp + bi * sv.b + t * sv.t + h * sv.h;
-          const T bt = bp[bi * sb.b + t * sb.t + h * sb.h];
-          const T* dot = dop + bi * sdo.b + t * sdo.t + h * sdo.h;
-          T a[K];
-          decays<T, K>(a, gp + bi * sg.b + t * sg.t + h * sg.h);
-          State<T, K, V>& Sp = prev[t - t0];  // S'_t = Diag(a) S_{t-1}, in place
-          Vec acc[4][NV];
-          for (int j = 0; j < NV; ++j) acc[0][j] = acc[1][j] = acc[2][j] = acc[3][j] = Vec{};
-          #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
-          for (int d = 0; d < K; ++d)
-            for (int j = 0; j < NV; ++j) {
-              Sp.r[d][j] *= a[d];
-              acc[d & 3][j] += kt[d] * Sp.r[d][j];
-            }
-          Vec e[NV], u[NV], dov[NV];
-          T udo = T(0);
-          for (int j = 0; j < NV; ++j) {
-            e[j] = L::load(vt + j * kLanes) - ((acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]));
-            u[j] = bt * e[j];
-            dov[j] = L::load(dot + j * kLanes);
-          }
-          {
-            Vec p{};
-            for (int j = 0; j < NV; ++j) p += u[j] * dov[j];
-            udo = L::sum(p);
-          }
-          // pass 1: dS += q do^T; du = dS^T k; dq = S'_t do + k (u . do). The K row dot products (and pass 2's) are
-          // reduced 16 at a time (Lanes::sums16, the same sums as Lanes::sum bit for bit): one 16-lane tree per row
-          // had cost about as many instructions as the state updates.
-          const int64_t rowk = ((bi * T_ + t) * H + h) * K, rowv = ((bi * T_ + t) * H + h) * V;
-          Vec pq[K];
-          for (int j = 0; j < NV; ++j) acc[0][j] = acc[1][j] = acc[2][j] = acc[3][j] = Vec{};
-          #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
-          for (int d = 0; d < K; ++d) {
-            Vec p{};
-            for (int j = 0; j < NV; ++j) {
-              dS.r[d][j] += qt[d] * dov[j];
-              acc[d & 3][j] += kt[d] * dS.r[d][j];
-              p += Sp.r[d][j] * dov[j];
-            }
-            pq[d] = p;
-          }
-          for (int d0 = 0; d0 < K; d0 += kLanes)
-            L::store(dqp + rowk + d0, L::sums16(pq + d0) + L::load(kt + d0) * udo);
-          Vec de[NV];
-          Vec pb{};
-          for (int j = 0; j < NV; ++j) {
-            const Vec du = (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]);
-            pb += du * e[j];
-            de[j] = bt * du;
-            L::store(dvp + rowv + j * kLanes, de[j]);
-          }
-          dbp[(bi * T_ + t) * H + h] = L::sum(pb);
-          // pass 2: dk = dS u - S' de; dS' = dS - k de^T; dg = rowsum(dS' * S'); dS_{t-1} = Diag(a) dS'
-          Vec pkd[K], pgd[K];
-          #pragma GCC unroll 64  // d & 3 must be a constant: the partial sums stay in registers
-          for (int d = 0; d < K; ++d) {
-            Vec pk{}, pg{};
-            for (int j = 0; j < NV; ++j) {
-              pk += dS.r[d][j] * u[j] - Sp.r[d][j] * de[j];
-              dS.r[d][j] -= kt[d] * de[j];
-              pg += dS.r[d][j] * Sp.r[d][j];
-              dS.r[d][j] *= a[d];
-            }
-            pkd[d] = pk;
-            pgd[d] = pg;
-          }
-          for (int d0 = 0; d0 < K; d0 += kLanes) {
-            L::store(dkp + rowk + d0, L::sums16(pkd + d0));
-            L::store(dgp + rowk + d0, L::sums16(pgd + d0));
-          }
+        const T udo = L::sum(pu);
+        const T* kt = ks.at(s);
+        for (int d0 = 0; d0 < K; d0 += kLanes)
+          L::store(dqp + row(s) * K + d0, L::load(pq + d0) + L::load(kt + d0) * udo);
+        for (int j = 0; j < NV; ++j) {
+          const Vec dui = H::total(du, j);
+          pb += dui * L::load(e + j * kLanes);
+          tg.de[j] = bt * dui;
+          L::store(dvp + row(s) * V + j * kLanes, tg.de[j]);
+        }
+        dbp[row(s)] = L::sum(pb);
+      };
+      for (int64_t n = N - 1; n >= 0; --n) {
+        const int64_t t0 = n * seg, len = std::min(T_, t0 + seg) - t0;
+        recompute<T, K, V>(sg, ck + (m * (N + 1) + n) * K * V, t0, len, ks, vs, gs, bs);
+        TokenGrads<T, K, V> late;
+        for (int64_t i = len; i >= 0; --i) {  // token t0 + i's second half with token t0 + i - 1's first half
+          const int64_t t = t0 + i, s = t - 1;
+          Vec du[P][NV], dov[NV];
+          H::zero(du);
+          if (i > 0)
+            for (int j = 0; j < NV; ++j) dov[j] = L::load(dos.at(s) + j * kLanes);
+          T *dk_t = dkp + row(t) * K, *dg_t = dgp + row(t) * K;
+          if (i == len)
+            backward_pass<T, K, V, false, true>(dS, nullptr, nullptr, nullptr, late, sg.Sp_at(i - 1), qs.at(s),
+                                                ks.at(s), dov, du, nullptr, nullptr, pq);
+          else if (i == 0)
+            backward_pass<T, K, V, true, false>(dS, sg.Sp_at(i), ks.at(t), sg.a_at(i), late, nullptr, nullptr,
+                                                nullptr, dov, du, dk_t, dg_t, nullptr);
+          else
+            backward_pass<T, K, V, true, true>(dS, sg.Sp_at(i), ks.at(t), sg.a_at(i), late, sg.Sp_at(i - 1),
+                                               qs.at(s), ks.at(s), dov, du, dk_t, dg_t, pq);
+          if (i > 0) finish_early(s, i - 1, du, dov, late);
         }
       }
-      dS.store(ds0 + m * K * V);
+      std::memcpy(ds0 + m * K * V, dS, K * V * sizeof(T));
     }
   });
 }

@@ -53,6 +53,14 @@ struct Lanes {
   // The N x N block of N vectors r[0..N-1] (r[i] lane j = element (i, j)) transposed in place: log2 N rounds, each
   // swapping the off-diagonal b x b sub-blocks of every 2b x 2b block (b = N/2, ..., 1) with two-source shuffles.
   static void transpose(Vec* r) { transpose_round<N / 2>(r); }
+  // One step of sums16's tree: x's and y's groups of 2g partial sums halved, x's groups first. A kernel that makes its
+  // N vectors one at a time can reduce them depth first (pairs of vectors with g = N/2, pairs of those with N/4, ...,
+  // the last with 1): the same adds as sums16, bit for bit, with a few vectors live instead of N.
+  template <int g>
+  static Vec half_step(const Vec& x, const Vec& y) {
+    return half_pick<g, 0>(x, y, std::make_integer_sequence<int, N>{}) +
+           half_pick<g, 1>(x, y, std::make_integer_sequence<int, N>{});
+  }
 
  private:
   template <int b>
@@ -78,11 +86,6 @@ struct Lanes {
       return s;
     else
       return fold<g / 2>(s, lanes);
-  }
-  template <int g>
-  static Vec half_step(const Vec& x, const Vec& y) {
-    return half_pick<g, 0>(x, y, std::make_integer_sequence<int, N>{}) +
-           half_pick<g, 1>(x, y, std::make_integer_sequence<int, N>{});
   }
   template <int g, int hi, int... I>
   static Vec half_pick(const Vec& x, const Vec& y, std::integer_sequence<int, I...>) {
