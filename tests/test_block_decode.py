@@ -109,13 +109,16 @@ def test_padding_rows_without_the_padded_kda_ops(monkeypatch):
         _assert_equal(fused, _steps(model, False, monkeypatch, pad_row=1))
 
 
-def test_dsa_dense_bypass_runs_by_its_ops(monkeypatch):
-    """While the cache holds at most top-k keys (DSA's dense bypass) the DSA block runs its mixer by its ops."""
+@pytest.mark.parametrize("pad_row", [None, 1])
+def test_dsa_dense_bypass_as_one_op(monkeypatch, pad_row):
+    """While the cache holds at most top-k keys (DSA's dense bypass: every allowed key, no indexer query) the DSA block
+    runs as one op too, with padding rows (a query without keys attends its own slot, as fill_empty_rows): the same
+    values as the ops one by one."""
     model = _model(index_top_k=16)
     ran = _spy(monkeypatch)
-    fused = _steps(model, True, monkeypatch)
-    assert ran == _per_step(model, dsa_whole=False) * 4  # 13-16 keys <= 16
-    _assert_equal(fused, _steps(model, False, monkeypatch))
+    fused = _steps(model, True, monkeypatch, pad_row=pad_row)
+    assert ran == _per_step(model) * 4  # 13-16 keys <= 16
+    _assert_equal(fused, _steps(model, False, monkeypatch, pad_row=pad_row))
 
 
 def test_dsa_block_with_the_pytorch_attention_form(monkeypatch):

@@ -11,7 +11,7 @@
 //       o = kda_decode_core(raw, f, b, ..., conv_state, state, gate, ...) (with padding rows: its ops one by one,
 //       kda_padded_core);  x = stream_write(res, x, post, o W_o^T);  then the MoE half below
 //   dsa_block_decode(x, k, v, index_k, key_valid, start, valid or None, cpp_attention, w, f, i) -> streams
-//       the site read and RMSNorm, DSA's sparse decode step (dsa_mixer) writing the cache at start, the stream write,
+//       the site read and RMSNorm, DSA's decode step (dsa_mixer: sparse, or dense within top-k keys) writing the cache at start, the stream write,
 //       then the MoE half below
 //   moe_half_decode(x [B, 1, n, C], w, f, i) -> streams [B, 1, n, C]
 //       (h, post, res) = site_read_decode(x);  h = rms_norm(h);  x = stream_write(res, x, post, moe_decode(h))
@@ -207,13 +207,13 @@ at::Tensor attention_aten(const at::Tensor& q, const at::Tensor& k, const at::Te
   return at::bmm(at::softmax(logits, -1).view({B * Hkv, G, S}), v.reshape({B * Hkv, S, D})).view({B, H, D});
 }
 
-// DSA's sparse decode step (dsa.py SparseAttention._forward_cached for one token past the dense bypass and below the
-// gathered form, no RoPE on the main attention) on the normed h [rows, C]: q/k/v projections and their RMSNorms, the
-// indexer's key (LayerNorm, RoPE) and query (RoPE, scaled head weights), the new token written into the cache at
-// `start` (its key_valid from `valid`: False for a padding row), the indexer scores, the top-k key mask and the
-// single-query attention over the first start + 1 keys, o_proj. w: W_q, q_norm, W_k, k_norm, W_v, W_o, indexer W_q,
-// W_w, W_k (panels), its LayerNorm's weight and bias, its RoPE table's cos and sin; f: q_norm, k_norm, LayerNorm eps,
-// the head weights' scale; i: H, Hkv, D, H_I, D_I, top-k, C.
+// DSA's decode step (dsa.py SparseAttention._forward_cached for one token below the gathered form, no RoPE on the
+// main attention) on the normed h [rows, C]: q/k/v projections and their RMSNorms, the indexer's key (LayerNorm,
+// RoPE), the new token written into the cache at `start` (its key_valid from `valid`: False for a padding row); past
+// top-k keys the indexer's query (RoPE, scaled head weights), its scores and the top-k key mask, within them (the
+// dense bypass) the allowed keys; the single-query attention over the first start + 1 keys, o_proj. w: W_q, q_norm,
+// W_k, k_norm, W_v, W_o, indexer W_q, W_w, W_k (panels), its LayerNorm's weight and bias, its RoPE table's cos and
+// sin; f: q_norm, k_norm, LayerNorm eps, the head weights' scale; i: H, Hkv, D, H_I, D_I, top-k, C.
 at::Tensor dsa_mixer(const at::Tensor& h, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& index_k, const at::Tensor& key_valid, int64_t start,
                      const std::optional<at::Tensor>& valid, bool cpp_attention, Args& a) {
@@ -248,12 +248,21 @@ at::Tensor dsa_mixer(const at::Tensor& h, const at::Tensor& k_cache, const at::T
     key_valid.select(1, start).copy_(valid->reshape({B}));
   else
     key_valid.select(1, start).fill_(true);
-  const at::Tensor iq = rotary_ops::rotary_one(panel_ops::panel_matmul(h, iwq, HI * DI, none, none).view({B, HI, DI}),
-                                               cos, sin);
-  const at::Tensor iw = panel_ops::panel_matmul(h, iww, HI, none, none) * w_scale;
   const at::Tensor allowed = key_valid.slice(1, 0, S);
-  const at::Tensor scores = decode_attention_ops::index_scores_one(iq, iw, index_k.slice(1, 0, S));
-  const at::Tensor mask = decode_attention_ops::topk_mask_one(scores, allowed, top_k);
+  at::Tensor mask;
+  if (S <= top_k) {  // the dense bypass: every allowed key, no indexer query or scores
+    mask = allowed;
+    if (valid.has_value()) {  // ops.fill_empty_rows: a query with no allowed key attends its own slot
+      mask = allowed.clone();
+      mask.select(1, start).logical_or_(allowed.any(1).logical_not());
+    }
+  } else {
+    const at::Tensor iq = rotary_ops::rotary_one(
+        panel_ops::panel_matmul(h, iwq, HI * DI, none, none).view({B, HI, DI}), cos, sin);
+    const at::Tensor iw = panel_ops::panel_matmul(h, iww, HI, none, none) * w_scale;
+    const at::Tensor scores = decode_attention_ops::index_scores_one(iq, iw, index_k.slice(1, 0, S));
+    mask = decode_attention_ops::topk_mask_one(scores, allowed, top_k);
+  }
   const at::Tensor keys = k_cache.slice(2, 0, S), values = v_cache.slice(2, 0, S), q3 = q.view({B, H, D});
   const at::Tensor out =
       cpp_attention

@@ -1,5 +1,5 @@
 """A cached fp32 decode step's blocks as one C++ op each (csrc/block_decode.cpp): a KDA block (``kda_block_decode``),
-a DSA block in its sparse masked regime (``dsa_block_decode``) and, where those do not take the block, its MoE half
+a DSA block below its gathered form (``dsa_block_decode``: sparse, or the dense bypass within top-k keys) and, where those do not take the block, its MoE half
 (``moe_half_decode``: site read, RMSNorm, MoE layer, stream write). They call the kernels of the ops' path in the same
 order as C++ functions, so the values are the same bit for bit (tests/test_block_decode.py).
 
@@ -8,7 +8,7 @@ Why: with every op of a decode step in C++, the step was still ~4-5 ms of Python
 
 Entered from ``Block.forward`` with a decoding cache; each entry returns None where the ops' path would not run these
 C++ forms on these tensors (outside an fp32 decode step, the op table switching a part off, more rows than the
-few-row forms take, streams not contiguous fp32, one stream, a dense FFN, DSA's dense bypass or gathered form): the
+few-row forms take, streams not contiguous fp32, one stream, a dense FFN, DSA's gathered form): the
 caller then runs the block's modules as before. The parameter lists are built once per generation and block, and
 kept in the generation's panel store beside the packed weights they hold (ops.matmul.packed: the same lifetime).
 """
@@ -47,9 +47,9 @@ def kda_block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) ->
 
 
 def dsa_block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) -> Tensor | None:
-    """A DSA block's sparse decode step (mHC site, RMSNorm, DSA with the new token written into its DSACache, its
-    ``valid`` flag [B, 1] too, then the MoE half) on streams [B, 1, n, C]; None where the ops' path would not run it as
-    these C++ forms: the dense bypass (the cache holds at most top-k keys), the gathered form (a long cache:
+    """A DSA block's decode step (mHC site, RMSNorm, DSA with the new token written into its DSACache, its ``valid``
+    flag [B, 1] too, then the MoE half) on streams [B, 1, n, C], sparse or, while the cache holds at most top-k keys,
+    the dense bypass; None where the ops' path would not run it as these C++ forms: the gathered form (a long cache:
     thresholds), a full cache (the module path raises)."""
     if not decode.cpp("dsa_block") or not _takes(streams):
         return None
@@ -58,7 +58,7 @@ def dsa_block(block: nn.Module, streams: Tensor, valid: Tensor | None, cache) ->
         return None
     start, top_k = cache.length, block.mixer.top_k
     keys = start + 1
-    if (not top_k < keys < thresholds.DECODE_GATHER_MIN_KEYS_PER_TOP_K * top_k or keys > cache.max_seq_len
+    if (keys >= thresholds.DECODE_GATHER_MIN_KEYS_PER_TOP_K * top_k or keys > cache.max_seq_len
             or streams.shape[0] != cache.batch_size):
         return None
     out = torch.ops.glm_lightning.dsa_block_decode(
@@ -144,7 +144,7 @@ def _kda_args(block: nn.Module, cache) -> Args | None:
 
 
 def _dsa_args(block: nn.Module) -> Args | None:
-    """The DSA block: its mixer site and norm, SparseAttention's sparse decode step (dsa.py ``_forward_cached``: the
+    """The DSA block: its mixer site and norm, SparseAttention's decode step (dsa.py ``_forward_cached``: the
     projections, q/k norms, the indexer's key and query with its RoPE table, the scale of its head weights), then the
     MoE half. Only for a layer with an indexer with RoPE and no RoPE on the main attention (the presets')."""
     from glm_lightning.model.dsa import SparseAttention
