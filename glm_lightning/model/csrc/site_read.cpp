@@ -15,8 +15,10 @@
 //
 //   site_read(x, phi, alpha_e, bias, scale, shift, norm_eps) -> (h [N, C], gates [N, 2n], res_logits [N, n, n],
 //                                                                inv_rms [N], raw [N, L], sig [N, 2n])
-//   site_read_backward(dh, dpost, dres_logits, x, phi, alpha_e, scale, inv_rms, raw, sig, gates)
+//   site_read_backward(dh, dpost, dres_logits, x, phi, alpha_e, scale, inv_rms, raw, sig, gates, dx_acc=None)
 //       -> (dx [N, n, C], dphi [L, nC], dbias [L], dalpha_l [L])
+//          dx_acc [N, n, C]: the streams' other gradient (the site write's, which takes x too), added to dx block by
+//          block while it is in cache: one pass over the streams instead of autograd's separate add (dx_acc + dx)
 //   site_read_decode(x, phi, alpha, alpha_index, bias, scale, shift, norm_eps, iters, eps)
 //       -> (h [..., C], H_post [..., n], H_res [..., n, n])   a decode step's whole read half (x [..., n, C]),
 //          Sinkhorn included
@@ -25,6 +27,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -253,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_read_decode(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
     const at::Tensor& dh_in, const at::Tensor& dpost_in, const at::Tensor& dres_in, const at::Tensor& x,
     const at::Tensor& phi, const at::Tensor& alpha_e_in, const at::Tensor& scale_in, const at::Tensor& inv,
-    const at::Tensor& raw, const at::Tensor& sig, const at::Tensor& gates) {
+    const at::Tensor& raw, const at::Tensor& sig, const at::Tensor& gates, const std::optional<at::Tensor>& acc_in) {
   check_site(x, phi);
   const int64_t N = x.size(0), n = x.size(1), C = x.size(2), nC = n * C, L = n * n + 2 * n;
   const auto dt = x.scalar_type();
@@ -264,6 +267,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
   TORCH_CHECK(inv.numel() == N && raw.numel() == N * L && sig.numel() == N * 2 * n && gates.numel() == N * 2 * n &&
                   inv.is_contiguous() && raw.is_contiguous() && sig.is_contiguous() && gates.is_contiguous(),
               "saved tensors of site_read");
+  const at::Tensor acc = acc_in.has_value() ? acc_in->to(dt).contiguous() : at::Tensor();
+  TORCH_CHECK(!acc.defined() || acc.numel() == N * nC, "dx_acc must be shaped as x");
   const int threads = at::get_num_threads();
   at::Tensor dx = at::empty({N, n, C}, x.options());
   at::Tensor dphi_t = at::zeros({threads, L, nC}, x.options()), dsum_t = at::zeros({threads, 2, L}, x.options());
@@ -272,6 +277,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
     const T *xp = x.data_ptr<T>(), *pp = phi.data_ptr<T>(), *ap = alpha_e.data_ptr<T>(), *sc = scale.data_ptr<T>(),
             *ip = inv.data_ptr<T>(), *rawp = raw.data_ptr<T>(), *sp = sig.data_ptr<T>(), *gp = gates.data_ptr<T>(),
             *dhp = dh.data_ptr<T>(), *dpp = dpost.data_ptr<T>(), *drp = dres.data_ptr<T>();
+    const T* accp = acc.defined() ? acc.data_ptr<T>() : nullptr;
     T *dxp = dx.data_ptr<T>(), *dphi_all = dphi_t.data_ptr<T>(), *dsum_all = dsum_t.data_ptr<T>();
     at::parallel_for(0, (N + kSiteBlock - 1) / kSiteBlock, 1, [&](int64_t b0, int64_t b1) {
       const int tid = at::get_thread_num();
@@ -315,6 +321,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
           draw_products<T, kSiteBlock>(draw, pp, xp + t0 * nC, dxp + t0 * nC, dphi, L, nC);
         else
           draw_products<T, 0>(draw, pp, xp + t0 * nC, dxp + t0 * nC, dphi, L, nC, nt);
+        if (accp != nullptr)  // the block's dx is still in L1
+          for (int64_t k = t0 * nC; k < t1 * nC; ++k) dxp[k] += accp[k];
       }
     });
   });
@@ -328,7 +336,8 @@ TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("site_read(Tensor x, Tensor phi, Tensor alpha_e, Tensor bias, Tensor scale, Tensor shift, float norm_eps) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("site_read_backward(Tensor dh, Tensor dpost, Tensor dres_logits, Tensor x, Tensor phi, Tensor alpha_e, "
-        "Tensor scale, Tensor inv_rms, Tensor raw, Tensor sig, Tensor gates) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor scale, Tensor inv_rms, Tensor raw, Tensor sig, Tensor gates, Tensor? dx_acc=None) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
   m.def("site_read_decode(Tensor x, Tensor phi, Tensor alpha, Tensor alpha_index, Tensor bias, Tensor scale, "
         "Tensor shift, float norm_eps, int iters, float eps) -> (Tensor, Tensor, Tensor)");
 }
