@@ -187,6 +187,12 @@ def test_the_write_gradient_of_the_streams_joins_the_read_backward_bit_for_bit(n
 
     for name, a, b in zip(["x", "phi", "alpha", "bias"], grads(True), grads(False)):
         assert torch.equal(a, b), name
+    xs = x.clone().requires_grad_()  # only h used: the other outputs' gradients are None, read as zeros
+    h_only = torch.autograd.grad((site.read(xs)[0] * w[..., 0, :]).sum(), xs)[0]
+    xs = x.clone().requires_grad_()
+    h, (post, res, _) = site.read(xs)
+    unused = 0 * (post.sum() + res.sum())
+    assert torch.equal(h_only, torch.autograd.grad((h * w[..., 0, :]).sum() + unused, xs)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -176,12 +176,16 @@ class _SiteReadCpp(torch.autograd.Function):
         res, res_soft = torch.ops.glm_lightning.sinkhorn(res_logits, iters, eps)
         ctx.save_for_backward(x, phi, alpha, alpha_e, alpha_index, gate_scale, inv_rms, raw, sig, gates, res_soft)
         ctx.iters, ctx.eps = iters, eps
+        ctx.set_materialize_grads(False)  # no [N, n, C] of zeros for an x that no write took
         return h, gates[:, n:], res, x
 
     @staticmethod
     @mp.autocast_off_backward
     def backward(ctx, dh: Tensor, dpost: Tensor, dres: Tensor, dx_write: Tensor | None):  # type: ignore[override]
         x, phi, alpha, alpha_e, alpha_index, gate_scale, inv_rms, raw, sig, gates, res_soft = ctx.saved_tensors
+        N, n, C = x.shape
+        dh, dpost, dres = (x.new_zeros(shape) if g is None else g for g, shape in
+                           ((dh, (N, C)), (dpost, (N, n)), (dres, (N, n, n))))
         dres_logits = torch.ops.glm_lightning.sinkhorn_backward(dres, res_soft, ctx.iters, ctx.eps)
         dx, dphi, dbias, dalpha_l = torch.ops.glm_lightning.site_read_backward(
             dh, dpost, dres_logits, x, phi, alpha_e, gate_scale, inv_rms, raw, sig, gates, dx_write)
