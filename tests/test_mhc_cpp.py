@@ -97,13 +97,15 @@ class _StreamWriteReference:
     apply = staticmethod(reference.stream_write)
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_stream_ops_equal_the_eager_forms_and_gradcheck(n):
-    """csrc/streams.cpp: the read h = sum_i pre_i x_i and the write res x + post^T y against mhc.py's eager forms."""
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("dim", [7, 40])
+def test_stream_ops_equal_the_eager_forms_and_gradcheck(n, dim):
+    """csrc/streams.cpp: the read h = sum_i pre_i x_i and the write res x + post^T y against mhc.py's eager forms, with
+    n known at compile time (2, 4) or not (3), channels past the last full vector (7) and whole vectors too (40)."""
     StreamReadFused, StreamWriteFused = mhc_ops._StreamReadCpp, mhc_ops._StreamWriteCpp
     StreamWrite = _StreamWriteReference
     torch.manual_seed(n)
-    shapes = ((2, 5, n, n), (2, 5, n, 7), (2, 5, n), (2, 5, 7))
+    shapes = ((2, 5, n, n), (2, 5, n, dim), (2, 5, n), (2, 5, dim))
     args = [torch.randn(s, requires_grad=True) for s in shapes]
     post_view = torch.randn(2, 5, 2 * n)[..., n:].requires_grad_()  # a strided slice, as `gates.split` gives
     for fused, eager, inputs in ((StreamWriteFused, StreamWrite, args),
@@ -138,7 +140,7 @@ def test_cpp_site_read_equals_the_eager_mappings_and_read(n, dim, monkeypatch):
     def run(use_cpp: bool):
         monkeypatch.setattr(cext, "available", lambda: use_cpp)
         xs = x.clone().requires_grad_()
-        h, (post, res) = site.read(xs)
+        h, (post, res, _) = site.read(xs)
         params = [site.phi, site.alpha, site.bias]
         loss = sum((t * w).sum() for t, w in zip((h, post, res), ws))
         return (h, post, res), torch.autograd.grad(loss, [xs, *params])
@@ -161,6 +163,38 @@ def test_cpp_site_read_equals_the_eager_mappings_and_read(n, dim, monkeypatch):
     assert torch.autograd.gradcheck(f, args, fast_mode=dim > 6)
 
 
+@pytest.mark.parametrize("n,dim", [(2, 6), (3, 40), (4, 192)])
+def test_the_write_gradient_of_the_streams_joins_the_read_backward_bit_for_bit(n, dim):
+    """The write takes the x that the read passes on (site_read(streams_out=True)): the read's backward adds the write's
+    gradient of the streams to its own while each block is in cache (site_read_backward's dx_acc) and gives exactly
+    autograd's sum of the two (the write taking x itself), and the same parameter gradients; 18 tokens: partial
+    blocks of 8."""
+    from glm_lightning.model.mhc import HyperConnection
+
+    torch.manual_seed(n)
+    site = HyperConnection(n=n, dim=dim, iters=5, site_index=1)
+    with torch.no_grad():
+        site.alpha.normal_(0.0, 1.0)
+        site.bias.normal_(0.0, 1.0)
+    x, w = torch.randn(2, 9, n, dim), torch.randn(2, 9, n, dim)
+
+    def grads(write_takes_the_passed_x: bool) -> tuple[torch.Tensor, ...]:
+        xs = x.clone().requires_grad_()
+        h, (post, res, xw) = site.read(xs)
+        assert xw is not xs and torch.equal(xw, xs)
+        out = mhc_ops.stream_write(res, xw if write_takes_the_passed_x else xs, post, torch.tanh(h))
+        return torch.autograd.grad((out * w).sum(), [xs, site.phi, site.alpha, site.bias])
+
+    for name, a, b in zip(["x", "phi", "alpha", "bias"], grads(True), grads(False)):
+        assert torch.equal(a, b), name
+    xs = x.clone().requires_grad_()  # only h used: the other outputs' gradients are None, read as zeros
+    h_only = torch.autograd.grad((site.read(xs)[0] * w[..., 0, :]).sum(), xs)[0]
+    xs = x.clone().requires_grad_()
+    h, (post, res, _) = site.read(xs)
+    unused = 0 * (post.sum() + res.sum())
+    assert torch.equal(h_only, torch.autograd.grad((h * w[..., 0, :]).sum() + unused, xs)[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("n,dim,tokens", [(2, 6, 3), (4, 192, 16), (3, 48, 21)])
 def test_site_read_decode_equals_the_two_ops_bit_for_bit(n, dim, tokens, dtype):
@@ -175,11 +209,11 @@ def test_site_read_decode_equals_the_two_ops_bit_for_bit(n, dim, tokens, dtype):
         site.alpha.normal_(0.0, 1.0)
         site.bias.normal_(0.0, 1.0)
     x = torch.randn(tokens, 1, n, dim, dtype=dtype)
-    h_two, post_two, res_two = mhc_ops._SiteReadCpp.apply(
+    h_two, post_two, res_two, _ = mhc_ops._SiteReadCpp.apply(
         x.view(tokens, n, dim), site.phi, site.alpha, site.bias, site._alpha_index, site._gate_scale,
         site._gate_shift, site.norm_eps, site.iters, site.eps)
     with torch.no_grad():  # the layer's no-grad read (a decode step's)
-        h, (post, res) = site.read(x)
+        h, (post, res, _) = site.read(x)
     assert torch.equal(h.view(tokens, dim), h_two) and torch.equal(post.view(tokens, n), post_two)
     assert torch.equal(res.view(tokens, n, n), res_two)
     one = torch.ops.glm_lightning.site_read_decode(x.view(tokens, n, dim), site.phi.detach(), site.alpha.detach(), site._alpha_index,

@@ -72,20 +72,22 @@ class HyperConnection(nn.Module):
         """H_pre [B,T,n], H_post [B,T,n], H_res [B,T,n,n] from the streams x [B,T,n,C] (fp32)."""
         return ops.reference.site_mappings(x, *self._params(), sinkhorn=ops.sinkhorn)
 
-    def read(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The sub-layer input H_pre x [B,T,C] and the (H_post, H_res) that `write` needs."""
+    def read(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """The sub-layer input H_pre x [B,T,C] and the (H_post, H_res, x) that `write` needs (x as the read passes it
+        on: then the read's backward adds the write's gradient of x to its own in one pass, ops.site_read)."""
         if self.n == 1:
             return x[..., 0, :], None
-        h, post, res = ops.site_read(x, *self._params())
-        return h, (post, res)
+        h, post, res, xw = ops.site_read(x, *self._params(), streams_out=True)
+        return h, (post, res, xw)
 
-    def write(self, x: torch.Tensor, maps: tuple[torch.Tensor, torch.Tensor] | None, y: torch.Tensor) -> torch.Tensor:
-        """x_next = H_res x + H_post^T y, for the sub-layer output y [B,T,C] and `maps` from `read`."""
+    def write(self, x: torch.Tensor, maps: tuple[torch.Tensor, ...] | None, y: torch.Tensor) -> torch.Tensor:
+        """x_next = H_res x + H_post^T y, for the sub-layer output y [B,T,C] and `maps` from `read` (H_post, H_res
+        and x as the read passed it on, the same values, which is then the one used; or just (H_post, H_res))."""
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         if maps is None:
             return x + y.unsqueeze(-2)
-        post, res = maps
-        return ops.stream_write(res, x, post, y)
+        post, res, *passed = maps
+        return ops.stream_write(res, passed[0] if passed else x, post, y)
 
     def forward(self, x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """x_next for the sub-layer F = `sublayer` (read, F, write in one call)."""

@@ -15,8 +15,10 @@
 //
 //   site_read(x, phi, alpha_e, bias, scale, shift, norm_eps) -> (h [N, C], gates [N, 2n], res_logits [N, n, n],
 //                                                                inv_rms [N], raw [N, L], sig [N, 2n])
-//   site_read_backward(dh, dpost, dres_logits, x, phi, alpha_e, scale, inv_rms, raw, sig, gates)
+//   site_read_backward(dh, dpost, dres_logits, x, phi, alpha_e, scale, inv_rms, raw, sig, gates, dx_acc=None)
 //       -> (dx [N, n, C], dphi [L, nC], dbias [L], dalpha_l [L])
+//          dx_acc [N, n, C]: the streams' other gradient (the site write's, which takes x too), added to dx block by
+//          block while it is in cache: one pass over the streams instead of autograd's separate add (dx_acc + dx)
 //   site_read_decode(x, phi, alpha, alpha_index, bias, scale, shift, norm_eps, iters, eps)
 //       -> (h [..., C], H_post [..., n], H_res [..., n, n])   a decode step's whole read half (x [..., n, C]),
 //          Sinkhorn included
@@ -25,6 +27,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -49,33 +52,44 @@ inline T dot(const T* __restrict a, const T* __restrict b, int64_t len) {
   return s;
 }
 
-// raw [NT, L] = x [NT, nC] phi [L, nC]^T for a full block: two phi rows x NT tokens of kLanes partial sums in
-// registers, each phi chunk loaded once per block.
+// The len values from p into the cache ahead of their use: the next block's streams, while this block computes.
+template <typename T>
+inline void prefetch(const T* p, int64_t len) {
+  for (int64_t k = 0; k < len; k += 64 / sizeof(T)) __builtin_prefetch(p + k);
+}
+
+// raw [NT, L] = x [NT, nC] phi [L, nC]^T for a full block, in register tiles of 4 phi rows x 4 tokens: each x and phi
+// vector is loaded once per tile, 8 loads per 16 FMAs (tiles of 2 rows x 8 tokens, 10 loads per 16 FMAs and the x
+// loads repeated per row, made this the site read's largest part). The 16 partial sums of a tile are reduced at once
+// (Lanes::sums16, bit for bit as one sum each): the same values as one dot product per (token, row).
 template <typename T, int NT>
 inline void project(const T* __restrict x, const T* __restrict phi, T* __restrict raw, int64_t L, int64_t nC) {
   using Vec = typename Lanes<T>::Vec;
   constexpr auto load = Lanes<T>::load;
-  constexpr auto hsum = Lanes<T>::sum;
+  constexpr int R = 4, TT = 4;
+  static_assert(NT % TT == 0, "whole tiles of tokens");
   const int64_t full = nC / kLanes * kLanes;
   int64_t l = 0;
-  for (; l + 2 <= L; l += 2) {
-    Vec a0[NT] = {}, a1[NT] = {};
-    const T *p0 = phi + l * nC, *p1 = p0 + nC;
-    for (int64_t c = 0; c < full; c += kLanes) {
-      const Vec q0 = load(p0 + c), q1 = load(p1 + c);
-      for (int t = 0; t < NT; ++t) {
-        const Vec xv = load(x + t * nC + c);
-        a0[t] += xv * q0;
-        a1[t] += xv * q1;
+  for (; l + R <= L; l += R)
+    for (int t0 = 0; t0 < NT; t0 += TT) {
+      Vec a[R * TT] = {};
+      for (int64_t c = 0; c < full; c += kLanes) {
+        Vec q[R];
+        for (int r = 0; r < R; ++r) q[r] = load(phi + (l + r) * nC + c);
+        for (int t = 0; t < TT; ++t) {
+          const Vec xv = load(x + (t0 + t) * nC + c);
+          for (int r = 0; r < R; ++r) a[t * R + r] += xv * q[r];
+        }
       }
+      alignas(64) T sums[R * TT];
+      for (int k = 0; k < R * TT; k += kLanes) Lanes<T>::store(sums + k, Lanes<T>::sums16(a + k));
+      for (int t = 0; t < TT; ++t)
+        for (int r = 0; r < R; ++r) {
+          T v = sums[t * R + r];
+          for (int64_t c = full; c < nC; ++c) v += x[(t0 + t) * nC + c] * phi[(l + r) * nC + c];
+          raw[(t0 + t) * L + l + r] = v;
+        }
     }
-    for (int t = 0; t < NT; ++t) {
-      T r0 = hsum(a0[t]), r1 = hsum(a1[t]);
-      for (int64_t c = full; c < nC; ++c) r0 += x[t * nC + c] * p0[c], r1 += x[t * nC + c] * p1[c];
-      raw[t * L + l] = r0;
-      raw[t * L + l + 1] = r1;
-    }
-  }
   for (; l < L; ++l)
     for (int t = 0; t < NT; ++t) raw[t * L + l] = dot(x + t * nC, phi + l * nC, nC);
 }
@@ -146,6 +160,7 @@ void site_read_forward(const T* xp, const T* pp, const T* ap, const T* bp, const
           for (int64_t t = t0; t < t1; ++t) rawp[t * L + l] = dot(xp + t * nC, pp + l * nC, nC);
       for (int64_t t = t0; t < t1; ++t) {
         const T* xt = xp + t * nC;
+        if (t + kSiteBlock < N) prefetch(xt + kSiteBlock * nC, nC);
         const T ss = dot(xt, xt, nC);
         const T r = T(1) / std::sqrt(eps + ss / static_cast<T>(nC));
         ip[t] = r;
@@ -253,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_read_decode(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
     const at::Tensor& dh_in, const at::Tensor& dpost_in, const at::Tensor& dres_in, const at::Tensor& x,
     const at::Tensor& phi, const at::Tensor& alpha_e_in, const at::Tensor& scale_in, const at::Tensor& inv,
-    const at::Tensor& raw, const at::Tensor& sig, const at::Tensor& gates) {
+    const at::Tensor& raw, const at::Tensor& sig, const at::Tensor& gates, const std::optional<at::Tensor>& acc_in) {
   check_site(x, phi);
   const int64_t N = x.size(0), n = x.size(1), C = x.size(2), nC = n * C, L = n * n + 2 * n;
   const auto dt = x.scalar_type();
@@ -264,6 +279,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
   TORCH_CHECK(inv.numel() == N && raw.numel() == N * L && sig.numel() == N * 2 * n && gates.numel() == N * 2 * n &&
                   inv.is_contiguous() && raw.is_contiguous() && sig.is_contiguous() && gates.is_contiguous(),
               "saved tensors of site_read");
+  const at::Tensor acc = acc_in.has_value() ? acc_in->to(dt).contiguous() : at::Tensor();
+  TORCH_CHECK(!acc.defined() || acc.numel() == N * nC, "dx_acc must be shaped as x");
   const int threads = at::get_num_threads();
   at::Tensor dx = at::empty({N, n, C}, x.options());
   at::Tensor dphi_t = at::zeros({threads, L, nC}, x.options()), dsum_t = at::zeros({threads, 2, L}, x.options());
@@ -272,6 +289,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
     const T *xp = x.data_ptr<T>(), *pp = phi.data_ptr<T>(), *ap = alpha_e.data_ptr<T>(), *sc = scale.data_ptr<T>(),
             *ip = inv.data_ptr<T>(), *rawp = raw.data_ptr<T>(), *sp = sig.data_ptr<T>(), *gp = gates.data_ptr<T>(),
             *dhp = dh.data_ptr<T>(), *dpp = dpost.data_ptr<T>(), *drp = dres.data_ptr<T>();
+    const T* accp = acc.defined() ? acc.data_ptr<T>() : nullptr;
     T *dxp = dx.data_ptr<T>(), *dphi_all = dphi_t.data_ptr<T>(), *dsum_all = dsum_t.data_ptr<T>();
     at::parallel_for(0, (N + kSiteBlock - 1) / kSiteBlock, 1, [&](int64_t b0, int64_t b1) {
       const int tid = at::get_thread_num();
@@ -284,6 +302,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
         for (int64_t t = t0; t < t1; ++t) {
           const T* xt = xp + t * nC;
           const T* dht = dhp + t * C;
+          if (t + kSiteBlock < N) prefetch(xt + kSiteBlock * nC, nC), prefetch(dht + kSiteBlock * C, C);
           const T r = ip[t];
           T dz_raw = 0;
           for (int64_t l = 0; l < L; ++l) {
@@ -315,6 +334,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
           draw_products<T, kSiteBlock>(draw, pp, xp + t0 * nC, dxp + t0 * nC, dphi, L, nC);
         else
           draw_products<T, 0>(draw, pp, xp + t0 * nC, dxp + t0 * nC, dphi, L, nC, nt);
+        if (accp != nullptr)  // the block's dx is still in L1
+          for (int64_t k = t0 * nC; k < t1 * nC; ++k) dxp[k] += accp[k];
       }
     });
   });
@@ -337,7 +358,8 @@ TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("site_read(Tensor x, Tensor phi, Tensor alpha_e, Tensor bias, Tensor scale, Tensor shift, float norm_eps) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("site_read_backward(Tensor dh, Tensor dpost, Tensor dres_logits, Tensor x, Tensor phi, Tensor alpha_e, "
-        "Tensor scale, Tensor inv_rms, Tensor raw, Tensor sig, Tensor gates) -> (Tensor, Tensor, Tensor, Tensor)");
+        "Tensor scale, Tensor inv_rms, Tensor raw, Tensor sig, Tensor gates, Tensor? dx_acc=None) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
   m.def("site_read_decode(Tensor x, Tensor phi, Tensor alpha, Tensor alpha_index, Tensor bias, Tensor scale, "
         "Tensor shift, float norm_eps, int iters, float eps) -> (Tensor, Tensor, Tensor)");
 }

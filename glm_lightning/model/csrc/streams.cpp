@@ -112,6 +112,15 @@ std::tuple<at::Tensor, at::Tensor> stream_read_backward(const at::Tensor& g_in, 
   return {gw, gx};
 }
 
+// Calls fn.template operator()<NS>() with NS = n for the common stream counts (2, 4), else NS = 0 (n at run time):
+// with n known at compile time the per-stream vectors and the n^2 partial sums below stay in registers.
+template <typename F>
+void with_stream_count(int64_t n, F&& fn) {
+  if (n == 4) return fn.template operator()<4>();
+  if (n == 2) return fn.template operator()<2>();
+  return fn.template operator()<0>();
+}
+
 // res [..., n, n], x [..., n, C], post [..., n], y [..., C] -> res x + post^T y  [..., n, C]
 at::Tensor stream_write(const at::Tensor& res_in, const at::Tensor& x_in, const at::Tensor& post_in,
                         const at::Tensor& y_in) {
@@ -145,6 +154,61 @@ at::Tensor stream_write(const at::Tensor& res_in, const at::Tensor& x_in, const 
   return out;
 }
 
+// One token of the write's backward from its output gradient g [n, C]: gy = sum_i p_i g_i, gx_j = sum_i r_ij g_i,
+// gp_i = <g_i, y>, gr_ij = <g_i, x_j>, all per kLanes channels in one pass (each vector loaded once, no gradient row
+// read back). The n^2 + n dot products are kLanes partial sums in registers (a scalar `s +=` loop is not vectorised
+// without -ffast-math), reduced kLanes at a time (Lanes::sums16: bit for bit as one reduction each).
+template <typename T, int NS>
+inline void write_backward_token(const T* __restrict g, const T* __restrict r, const T* __restrict x,
+                                 const T* __restrict p, const T* __restrict y, T* __restrict gr, T* __restrict gx,
+                                 T* __restrict gp, T* __restrict gy, int64_t n_rt, int64_t C) {
+  using L = Lanes<T>;
+  using Vec = typename L::Vec;
+  constexpr int kMax = NS > 0 ? NS : kMaxStreams;
+  const int64_t n = NS > 0 ? NS : n_rt;
+  Vec s[kMax * kMax] = {}, d[kMax] = {}, gv[kMax];
+  int64_t c = 0;
+  for (; c + kLanes <= C; c += kLanes) {
+    for (int64_t i = 0; i < n; ++i) gv[i] = L::load(g + i * C + c);
+    const Vec yv = L::load(y + c);
+    Vec acc = {};
+    for (int64_t i = 0; i < n; ++i) {
+      acc += p[i] * gv[i];
+      d[i] += gv[i] * yv;
+    }
+    L::store(gy + c, acc);
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec xv = L::load(x + j * C + c);
+      Vec a = {};
+      for (int64_t i = 0; i < n; ++i) {
+        a += r[i * n + j] * gv[i];
+        s[i * n + j] += gv[i] * xv;
+      }
+      L::store(gx + j * C + c, a);
+    }
+  }
+  if constexpr (NS > 0 && NS * NS % kLanes == 0) {
+    for (int k = 0; k < NS * NS; k += kLanes) L::store(gr + k, L::sums16(s + k));
+  } else {
+    for (int64_t k = 0; k < n * n; ++k) gr[k] = L::sum(s[k]);
+  }
+  for (int64_t i = 0; i < n; ++i) gp[i] = L::sum(d[i]);
+  for (; c < C; ++c) {  // channels past the last full kLanes
+    T acc = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      acc += p[i] * g[i * C + c];
+      gp[i] += g[i * C + c] * y[c];
+      for (int64_t j = 0; j < n; ++j) gr[i * n + j] += g[i * C + c] * x[j * C + c];
+    }
+    gy[c] = acc;
+    for (int64_t j = 0; j < n; ++j) {
+      T a = 0;
+      for (int64_t i = 0; i < n; ++i) a += r[i * n + j] * g[i * C + c];
+      gx[j * C + c] = a;
+    }
+  }
+}
+
 // grad [..., n, C] -> (d res = grad x^T, d x = res^T grad, d post = grad y, d y = post grad), shaped as the inputs
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stream_write_backward(
     const at::Tensor& g_in, const at::Tensor& res_in, const at::Tensor& x_in, const at::Tensor& post_in,
@@ -161,53 +225,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stream_write_backward
                    *pp = post.t.data_ptr<scalar_t>(), *yp = y.data_ptr<scalar_t>();
     scalar_t *grp = gres.data_ptr<scalar_t>(), *gxp = gx.data_ptr<scalar_t>(), *gpp = gpost.data_ptr<scalar_t>(),
              *gyp = gy.data_ptr<scalar_t>();
-    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
-      using Vec = typename Lanes<scalar_t>::Vec;
-      constexpr auto load = Lanes<scalar_t>::load;
-      constexpr auto store = Lanes<scalar_t>::store;
-      constexpr auto hsum = Lanes<scalar_t>::sum;
-      const int64_t full = C / kLanes * kLanes;
-      for (int64_t t = b; t < e; ++t) {
-        const scalar_t* yt = yp + t * C;
-        scalar_t* gyt = gyp + t * C;
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t* gi = gp + (t * n + i) * C;
-          const scalar_t pi = pp[t * post.stride + i];
-          const bool first = i == 0;
-          // the dot products <g_i, y> and <g_i, x_j> as kLanes partial sums (a scalar `s +=` loop is not
-          // vectorised without -ffast-math, and it kept the whole loop scalar)
-          Vec dot = {}, s[kMaxStreams] = {};
-          for (int64_t c = 0; c < full; c += kLanes) {
-            const Vec g = load(gi + c);
-            dot += g * load(yt + c);
-            store(gyt + c, first ? pi * g : load(gyt + c) + pi * g);
-            for (int64_t j = 0; j < n; ++j) {
-              const scalar_t* xj = xp + (t * n + j) * C;
-              scalar_t* gxj = gxp + (t * n + j) * C;
-              const scalar_t rij = rp[t * res.stride + i * n + j];
-              s[j] += g * load(xj + c);
-              store(gxj + c, first ? rij * g : load(gxj + c) + rij * g);
-            }
-          }
-          scalar_t dot_s = hsum(dot);
-          for (int64_t c = full; c < C; ++c) {
-            dot_s += gi[c] * yt[c];
-            gyt[c] = (first ? scalar_t(0) : gyt[c]) + pi * gi[c];
-          }
-          gpp[t * n + i] = dot_s;
-          for (int64_t j = 0; j < n; ++j) {
-            const scalar_t* xj = xp + (t * n + j) * C;
-            scalar_t* gxj = gxp + (t * n + j) * C;
-            const scalar_t rij = rp[t * res.stride + i * n + j];
-            scalar_t sj = hsum(s[j]);
-            for (int64_t c = full; c < C; ++c) {
-              sj += gi[c] * xj[c];
-              gxj[c] = (first ? scalar_t(0) : gxj[c]) + rij * gi[c];
-            }
-            grp[(t * n + i) * n + j] = sj;
-          }
-        }
-      }
+    with_stream_count(n, [&]<int NS>() {
+      at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t)
+          write_backward_token<scalar_t, NS>(gp + t * n * C, rp + t * res.stride, xp + t * n * C,
+                                             pp + t * post.stride, yp + t * C, grp + t * n * n, gxp + t * n * C,
+                                             gpp + t * n, gyp + t * C, n, C);
+      });
     });
   });
   return {gres, gx, gpost, gy};

@@ -152,7 +152,11 @@ def _site_read_no_grad(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alph
 
 
 class _SiteReadCpp(torch.autograd.Function):
-    """The read half of a site on the C++ ops: streams x [N, n, C] -> (h [N, C], H_post [N, n], H_res [N, n, n]).
+    """The read half of a site on the C++ ops: streams x [N, n, C] -> (h [N, C], H_post [N, n], H_res [N, n, n], x).
+
+    The last output is x itself (a view), for the site's write to take instead of x: the write's gradient of the
+    streams then arrives here as that output's gradient and the C++ backward adds it to its own dx while each block is
+    in cache (``dx_acc``), where autograd would add the two [N, n, C] gradients in a separate pass.
 
     Autograd records one node instead of ~20. With z = (x phi^T) * inv_rms and logits = bias + alpha z:
         dlogits = [dgates * scale * sig (1 - sig) | SinkhornBackward(dres)],  dbias = sum dlogits,
@@ -163,7 +167,7 @@ class _SiteReadCpp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor,  # type: ignore[override]
                 gate_scale: Tensor, gate_shift: Tensor, norm_eps: float, iters: int, eps: float
-                ) -> tuple[Tensor, Tensor, Tensor]:
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         n = x.shape[1]
         x = x if x.is_contiguous() else x.contiguous()
         alpha_e = alpha.index_select(0, alpha_index)
@@ -172,40 +176,49 @@ class _SiteReadCpp(torch.autograd.Function):
         res, res_soft = torch.ops.glm_lightning.sinkhorn(res_logits, iters, eps)
         ctx.save_for_backward(x, phi, alpha, alpha_e, alpha_index, gate_scale, inv_rms, raw, sig, gates, res_soft)
         ctx.iters, ctx.eps = iters, eps
-        return h, gates[:, n:], res
+        ctx.set_materialize_grads(False)  # no [N, n, C] of zeros for an x that no write took
+        return h, gates[:, n:], res, x
 
     @staticmethod
     @mp.autocast_off_backward
-    def backward(ctx, dh: Tensor, dpost: Tensor, dres: Tensor):  # type: ignore[override]
+    def backward(ctx, dh: Tensor, dpost: Tensor, dres: Tensor, dx_write: Tensor | None):  # type: ignore[override]
         x, phi, alpha, alpha_e, alpha_index, gate_scale, inv_rms, raw, sig, gates, res_soft = ctx.saved_tensors
+        N, n, C = x.shape
+        dh, dpost, dres = (x.new_zeros(shape) if g is None else g for g, shape in
+                           ((dh, (N, C)), (dpost, (N, n)), (dres, (N, n, n))))
         dres_logits = torch.ops.glm_lightning.sinkhorn_backward(dres, res_soft, ctx.iters, ctx.eps)
         dx, dphi, dbias, dalpha_l = torch.ops.glm_lightning.site_read_backward(
-            dh, dpost, dres_logits, x, phi, alpha_e, gate_scale, inv_rms, raw, sig, gates)
+            dh, dpost, dres_logits, x, phi, alpha_e, gate_scale, inv_rms, raw, sig, gates, dx_write)
         dalpha = torch.zeros_like(alpha).index_add_(0, alpha_index, dalpha_l)
         return dx, dphi, dalpha, dbias, None, None, None, None, None, None
 
 
 def site_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor, gate_scale: Tensor,
-              gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+              gate_shift: Tensor, norm_eps: float, iters: int, eps: float, streams_out: bool = False) -> tuple:
     """The read half of an mHC site: streams x [..., n, C] -> (h = H_pre x [..., C], H_post [..., n],
-    H_res [..., n, n]) in x's dtype; the parameters as :class:`glm_lightning.model.mhc.HyperConnection` holds them."""
+    H_res [..., n, n]) in x's dtype; the parameters as :class:`glm_lightning.model.mhc.HyperConnection` holds them.
+    With ``streams_out`` also x as the site's write should take it (:class:`_SiteReadCpp`: a view through which the
+    write's gradient of the streams joins the read's in one pass; else x itself)."""
     if (decode.cpp("site_read") and x.dtype is torch.float32 and phi.dtype is torch.float32
             and x.shape[-2] <= thresholds.SITE_READ_MAX_STREAMS and x.is_contiguous()):  # a decode step: the op itself
-        return torch.ops.glm_lightning.site_read_decode(x, phi, alpha, alpha_index, bias, gate_scale, gate_shift,
-                                                         norm_eps, iters, eps)
-    return _site_read(x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps)
+        out = torch.ops.glm_lightning.site_read_decode(x, phi, alpha, alpha_index, bias, gate_scale, gate_shift,
+                                                        norm_eps, iters, eps)
+        return (*out, x) if streams_out else out
+    out = _site_read(x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps)
+    return out if streams_out else out[:3]
 
 
 @mp.fp32_op
 def _site_read(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, alpha_index: Tensor, gate_scale: Tensor,
-               gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+               gate_shift: Tensor, norm_eps: float, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     lead, (n, C) = x.shape[:-2], x.shape[-2:]
     if n <= thresholds.SITE_READ_MAX_STREAMS and backend.takes(x, phi, op="site_read"):
         if not backend.needs_grad(x, phi, alpha, bias):  # decoding: one op, shaped outputs, no node
-            return _site_read_no_grad(x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps)
-        h, post, res = _SiteReadCpp.apply(x.reshape(-1, n, C), phi, alpha, bias, alpha_index, gate_scale, gate_shift,
-                                          norm_eps, iters, eps)
-        return h.view(*lead, C), post.view(*lead, n), res.view(*lead, n, n)
+            return (*_site_read_no_grad(x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters,
+                                        eps), x)
+        h, post, res, xw = _SiteReadCpp.apply(x.reshape(-1, n, C), phi, alpha, bias, alpha_index, gate_scale,
+                                              gate_shift, norm_eps, iters, eps)
+        return h.view(*lead, C), post.view(*lead, n), res.view(*lead, n, n), xw.view(x.shape)
     pre, post, res = (m if m.dtype == x.dtype else m.to(x.dtype) for m in site_mappings(
         x, phi, alpha, bias, alpha_index, gate_scale, gate_shift, norm_eps, iters, eps, sinkhorn))
-    return stream_read(pre, x), post, res
+    return stream_read(pre, x), post, res, x
