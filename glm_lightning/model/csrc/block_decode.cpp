@@ -53,6 +53,11 @@ at::Tensor kda_decode_core(const at::Tensor& raw, const at::Tensor& f, const at:
 at::Tensor conv_step_(at::Tensor conv_state, const at::Tensor& raw, const at::Tensor& weight);
 at::Tensor delta_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                        const at::Tensor& beta, at::Tensor S);
+using FeaturesOp = c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>;
+using HeadNormOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>;
+const FeaturesOp& features_op();
+const HeadNormOp& head_norm_op();
 }
 namespace rotary_ops {
 at::Tensor rotary_one(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
@@ -126,14 +131,8 @@ at::Tensor kda_padded_core(const at::Tensor& raw, const at::Tensor& f, const at:
                            const at::Tensor& rescale, double lb, const at::Tensor& conv_state,
                            const at::Tensor& conv_weight, const at::Tensor& S, const at::Tensor& gate,
                            const at::Tensor& norm_weight, double eps, const at::Tensor& valid) {
-  static auto features = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("glm_lightning::kda_features", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, double)>();
-  static auto head_norm = c10::Dispatcher::singleton()
-                              .findSchemaOrThrow("glm_lightning::gated_head_norm", "")
-                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  const auto& features = kda_decode_ops::features_op();
+  const auto& head_norm = kda_decode_ops::head_norm_op();
   const int64_t B = S.size(0), H = S.size(1), K = S.size(2);
   const at::Tensor pad = valid.logical_not().view({B, 1}), pad3 = pad.view({B, 1, 1});
   const at::Tensor y = kda_decode_ops::conv_step_(conv_state, raw.masked_fill(pad, 0.0), conv_weight);  // [B, 3HK]

@@ -29,6 +29,16 @@
 
 #include "kernel_helpers.h"
 
+namespace kda_decode_ops {
+// The KDA features and gated head-norm ops (their kernels live in other sources), found in the dispatcher once (also
+// called by block_decode.cpp).
+using FeaturesOp = c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>;
+using HeadNormOp = c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>;
+const FeaturesOp& features_op();
+const HeadNormOp& head_norm_op();
+}  // namespace kda_decode_ops
+
 namespace {
 
 // One row: y = SiLU(sum_t s[t] wt[t] + r wt[P]) per channel (the taps in order), over the weight transposed to
@@ -142,14 +152,8 @@ at::Tensor delta_step_(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 at::Tensor kda_decode_core(const at::Tensor& raw, const at::Tensor& f, const at::Tensor& b, const at::Tensor& A_log,
                            const at::Tensor& rescale, double lb, at::Tensor conv_state, const at::Tensor& conv_weight,
                            at::Tensor S, const at::Tensor& gate, const at::Tensor& norm_weight, double eps) {
-  static auto features = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("glm_lightning::kda_features", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, double)>();
-  static auto head_norm = c10::Dispatcher::singleton()
-                              .findSchemaOrThrow("glm_lightning::gated_head_norm", "")
-                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  const auto& features = kda_decode_ops::features_op();
+  const auto& head_norm = kda_decode_ops::head_norm_op();
   TORCH_CHECK(S.dim() == 4 && S.size(2) == S.size(3), "S must be [B, H, K, K]");
   const int64_t B = S.size(0), H = S.size(1), K = S.size(2);
   TORCH_CHECK(raw.numel() == B * 3 * H * K, "raw must hold [B, 3HK] for S [B, H, K, K]");
@@ -164,6 +168,21 @@ at::Tensor kda_decode_core(const at::Tensor& raw, const at::Tensor& f, const at:
 }  // namespace
 
 namespace kda_decode_ops {  // block_decode.cpp calls it as a C++ function (no dispatch per call)
+const FeaturesOp& features_op() {
+  static const FeaturesOp op = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("glm_lightning::kda_features", "")
+                                   .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                                       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const at::Tensor&, double)>();
+  return op;
+}
+const HeadNormOp& head_norm_op() {
+  static const HeadNormOp op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("glm_lightning::gated_head_norm", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return op;
+}
 at::Tensor kda_decode_core(const at::Tensor& raw, const at::Tensor& f, const at::Tensor& b, const at::Tensor& A_log,
                            const at::Tensor& rescale, double lb, at::Tensor conv_state, const at::Tensor& conv_weight,
                            at::Tensor S, const at::Tensor& gate, const at::Tensor& norm_weight, double eps) {

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>
@@ -48,24 +49,33 @@ void with_sizes(int64_t K, int64_t V, F&& fn) {
 // over [-87, 88], measured; 0 below -87.3 as fp32 flushes anyway). std::exp called per element kept the KDA chunk
 // op's loops scalar (with the op's partial sums this took its flash-25m forward from 15.5 to 7.7 ms, 1 thread).
 // fp64 (gradcheck) keeps std::exp.
-inline float exp_(float x) {
-  const bool tiny = x < -87.3f;
-  x = x > 88.3f ? 88.3f : (tiny ? 0.f : x);
+// One value or a vector of them (GCC vector extensions take the same expressions; I: the matching int32 type), so
+// that a vectorised kernel's lanes (short_conv.cpp) get exp_'s value bit for bit.
+template <typename F, typename I>
+inline F exp_poly(F x) {
+  const F zero{};
+  const auto tiny = x < -87.3f;
+  x = x > 88.3f ? zero + 88.3f : (tiny ? zero : x);
   const float magic = 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const float n = (x * 1.44269504088896341f + magic) - magic;
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  float p = 1.f / 720.f;
+  const F n = (x * 1.44269504088896341f + magic) - magic;
+  const F r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  F p = zero + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
   p = p * r + 1.f / 24.f;
   p = p * r + 1.f / 6.f;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
+  I bits;
+  if constexpr (std::is_same_v<F, float>)
+    bits = (static_cast<int32_t>(n) + 127) << 23;
+  else
+    bits = (__builtin_convertvector(n, I) + 127) << 23;
+  F scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return tiny ? 0.f : p * scale;
+  return tiny ? zero : p * scale;
 }
+inline float exp_(float x) { return exp_poly<float, int32_t>(x); }
 inline double exp_(double x) { return std::exp(x); }
 
 template <typename T>

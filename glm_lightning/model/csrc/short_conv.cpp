@@ -27,26 +27,10 @@ using glm_lightning_ops::kLanes;
 using FL = glm_lightning_ops::Lanes<float>;
 using FVec = FL::Vec;
 
-// exp_ (kernel_helpers.h) on kLanes lanes, the same operations in the same order (each lane as exp_ would give it).
+// exp_ (kernel_helpers.h) on kLanes lanes: the same operations in the same order (each lane as exp_ would give it).
 inline FVec exp_lanes(FVec x) {
   typedef int32_t IVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
-  const FVec zero{};
-  const auto tiny = x < -87.3f;
-  x = x > 88.3f ? zero + 88.3f : (tiny ? zero : x);
-  const float magic = 12582912.f;
-  const FVec n = (x * 1.44269504088896341f + magic) - magic;
-  const FVec r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  FVec p = zero + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const IVec bits = (__builtin_convertvector(n, IVec) + 127) << 23;
-  FVec scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return tiny ? zero : p * scale;
+  return glm_lightning_ops::exp_poly<FVec, IVec>(x);
 }
 
 // The model's case (fp32, 4 taps, C a multiple of kLanes) as one walk over the tokens per row and kLanes channels, the
@@ -64,6 +48,16 @@ inline bool conv4_takes(const at::Tensor& x, int64_t C, int64_t ks) {
   return x.scalar_type() == at::kFloat && ks == kTaps && C % kLanes == 0;
 }
 
+// The conv's pre-activation at one token: the taps in order j = 0..3 from +0 (the general loops' order).
+inline FVec conv4_z(FVec w0, FVec w1, FVec w2, FVec w3, FVec x0, FVec x1, FVec x2, FVec x3) {
+  FVec z{};
+  z += w0 * x0;
+  z += w1 * x1;
+  z += w2 * x2;
+  z += w3 * x3;
+  return z;
+}
+
 // y[b, :, c0 .. c0 + kLanes) of row xb (y_pre = the taps in order j = 0..3 from +0, then SiLU).
 inline void conv4_forward_block(const float* __restrict xb, const float* __restrict wt, float* __restrict yb,
                                 int64_t T_, int64_t C, int64_t c0) {
@@ -73,11 +67,7 @@ inline void conv4_forward_block(const float* __restrict xb, const float* __restr
   for (int64_t t = 0; t < T_; ++t) {
     __builtin_prefetch(xb + (t + kAhead) * C + c0);
     const FVec x3 = FL::load(xb + t * C + c0);
-    FVec z{};
-    z += w0 * x0;
-    z += w1 * x1;
-    z += w2 * x2;
-    z += w3 * x3;
+    const FVec z = conv4_z(w0, w1, w2, w3, x0, x1, x2, x3);
     FL::store(yb + t * C + c0, z / (1.f + exp_lanes(-z)));
     x0 = x1;
     x1 = x2;
@@ -100,11 +90,7 @@ inline void conv4_backward_block(const float* __restrict xb, const float* __rest
       __builtin_prefetch(xb + (t + kAhead) * C + c0);
       __builtin_prefetch(dyb + (t + kAhead) * C + c0);
       const FVec x3 = FL::load(xb + t * C + c0);
-      FVec z{};
-      z += w0 * x0;
-      z += w1 * x1;
-      z += w2 * x2;
-      z += w3 * x3;
+      const FVec z = conv4_z(w0, w1, w2, w3, x0, x1, x2, x3);
       const FVec sg = 1.f / (1.f + exp_lanes(-z));
       d3 = FL::load(dyb + t * C + c0) * sg * (1.f + z * (1.f - sg));
       dw0 += d3 * x0;
