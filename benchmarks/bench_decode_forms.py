@@ -91,7 +91,7 @@ BLOCKS = tuple(decode.ENTRY_PARTS)
 
 def _entries_without(*ops: str) -> contextlib.AbstractContextManager:
     """The decode entries without ``ops`` and without the block ops."""
-    return _patched(decode, "OPS", tuple(op for op in decode.OPS if op not in ops and op not in BLOCKS))
+    return decode.without((*ops, *BLOCKS))
 
 
 FORMS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {

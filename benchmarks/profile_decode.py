@@ -20,7 +20,6 @@ import collections
 import statistics
 import time
 from typing import Any
-from unittest import mock
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -50,17 +49,13 @@ def profile_decode(rows: int = 16, prompt_len: int = 64, by_frame: bool = False,
     return len(ops), collections.Counter(_frame(e) if by_frame else e.name for e in ops)
 
 
-FUSED = (*decode.PARTS, *decode.ENTRY_PARTS)
-"""The decode ops that call their matmuls from C++ (ops/decode.py): off while time_decode counts the matmuls."""
-
-
 def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: str = "flash-25m",
                 precision: str = "32") -> dict[str, Any]:
     """Median seconds of a decode step of ``rows`` rows (after a prefill and two untimed steps), and per step: the
     seconds inside the decode's few-row matmul calls (``panel_matmul`` on packed weights, or ``small_matmul``), their
     number and the weight bytes they read (a padded expert with no row is not read), measured in further steps with
-    the fused decode ops (FUSED) off, so that every matmul is a call of its own. The C++ ops must be loaded for them
-    to run; without them these fields are 0."""
+    the fused decode ops (decode.FUSED) off, so that every matmul is a call of its own. The C++ ops must be loaded
+    for them to run; without them these fields are 0."""
     from glm_lightning.model.ops import matmul, moe
 
     torch.manual_seed(0)
@@ -103,7 +98,7 @@ def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: s
                 times.append(time.perf_counter() - t)
             # the matmuls inside the fused decode ops (block ops, moe_decode) are C++ calls nothing can wrap from
             # here: they are counted in steps with those ops off, each matmul its own call (same kernels, same bytes)
-            with mock.patch.object(decode, "OPS", tuple(op for op in decode.OPS if op not in FUSED)):
+            with decode.without(decode.FUSED):
                 model(tok, cache=cache)
                 acc.update(s=0.0, calls=0, bytes=0)
                 for _ in range(steps):

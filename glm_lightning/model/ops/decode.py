@@ -14,7 +14,7 @@ general form otherwise, so values are those of the general form's C++ op, bit fo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -36,6 +36,23 @@ ENTRY_PARTS = {"moe_half": ("site_read", "rms_norm", "stream_write", "moe_decode
                "kda_block_pads": ("kda_block",),
                "dsa_block": ("moe_half", "linear", "rms_norm", "rotary")}
 """The decode entries whose C++ forms a block op (ops/block_decode.py) calls: it is on only where all of them are."""
+
+FUSED = tuple(dict.fromkeys((*PARTS, *ENTRY_PARTS)))
+"""The decode ops that call other ops' kernels from C++ (moe_decode and the block ops)."""
+
+
+@contextmanager
+def without(ops: Iterable[str]) -> Iterator[None]:
+    """Decode steps inside run with the decode entries of ``ops`` off, so that the ops they stand for are called one
+    by one (where the op-choice tune records the calls, a benchmark wraps the matmuls or compares forms)."""
+    global OPS
+    off = frozenset(ops)
+    before, OPS = OPS, tuple(op for op in OPS if op not in off)
+    try:
+        yield
+    finally:
+        OPS = before
+
 
 _on: frozenset[str] = frozenset()
 """The ops of OPS whose C++ form the decode step in progress calls directly; empty outside one."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from glm_lightning.model.ops import decode as decode_ops
 from glm_lightning.model.ops import dsa, kda_decode, kda_inputs, kda_recurrent, matmul, mhc, moe, norm
 
 RECORDED: dict[str, tuple[tuple[Any, str], ...]] = {
@@ -110,27 +111,15 @@ def record(preset: str = "flash-25m") -> dict[str, list[Call]]:
         loss.backward()
     model.eval()
     decode: dict[str, list[Call]] = {}
-    with recording(decode, "last"), _blocks_by_their_ops():
+    # a decode step whose blocks call their ops one by one: the block ops run the same kernels from C++, where no
+    # call would be recorded (the decode-only ops not at all, the others at the prefill's shape)
+    with recording(decode, "last"), decode_ops.without(decode_ops.ENTRY_PARTS):
         prompt = torch.randint(0, 256, (1, min(64, cfg.max_seq_len - 8)))
         generate(model, prompt, max_new_tokens=4, num_samples=16, temperature=1.0, eos_id=None,
                  generator=torch.Generator().manual_seed(0))
     for op, cs in decode.items():
         calls.setdefault(op, []).extend(cs)
     return calls
-
-
-@contextmanager
-def _blocks_by_their_ops() -> Iterator[None]:
-    """A decode step whose blocks call their ops one by one: the block ops (ops/block_decode.py) run the same kernels
-    from C++, where no call would be recorded (the decode-only ops not at all, the others at the prefill's shape)."""
-    from glm_lightning.model.ops import decode
-
-    before = decode.OPS
-    decode.OPS = tuple(op for op in before if op not in decode.ENTRY_PARTS)
-    try:
-        yield
-    finally:
-        decode.OPS = before
 
 
 def replay(calls: list[Call]) -> Callable[[], None]:
