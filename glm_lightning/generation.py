@@ -167,8 +167,9 @@ def sampling_weights(model: torch.nn.Module, precision: str = "32") -> torch.nn.
 
 def weights_changed(model: torch.nn.Module) -> None:
     """Bump the version counter of every parameter of `model`: its weights were written in a way torch did not
-    count (a fused optimizer kernel writes through data pointers), and the caches keyed on the counters
-    (:func:`sampling_weights`' bf16 copy) must see it."""
+    count (a fused optimizer kernel writes through data pointers, ``w.data[...] = ...``), and the caches keyed on the
+    counters (:func:`sampling_weights`' bf16 copy; the decode's panels the model keeps between generations,
+    model/kept_panels.py, which also see such writes when they move most of a weight) must see it."""
     torch.autograd.graph.increment_version(list(model.parameters()))
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from glm_lightning.model.config import GLMConfig
+from glm_lightning.model.kept_panels import KeptPanels
 
 
 @dataclass
@@ -145,11 +146,15 @@ LayerCache = KDACache | DSACache
 class PanelStore(dict):
     """weight -> its panel-packed copy for one generation's decode (ops.matmul.packed), and the dtype the panels hold:
     fp32, or bf16 for a model whose matrices hold bf16 values (generation.sampling_weights' copy), whose decode then
-    streams half the bytes for the same products."""
+    streams half the bytes for the same products. With ``kept`` (the model's :class:`KeptPanels`) it starts with the
+    panels kept from earlier generations, and what it packs is kept for later ones."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, kept: KeptPanels | None = None) -> None:
         super().__init__()
         self.dtype = dtype
+        self.kept = kept
+        if kept is not None:
+            self.update((weight, held.value) for weight, held in kept.panels.items())
 
 
 @dataclass
@@ -159,8 +164,8 @@ class ModelCache:
     """Tokens (including left padding) already processed; the next token sits at position `length`."""
     packed: PanelStore = field(default_factory=PanelStore)
     """The weights' panel-packed copies for this generation's few-row linears and experts (ops.matmul.packed_weights:
-    packed on first use, shared by the caches derived from this one). They live with the cache, as KDACache's
-    in_weights do: weights cannot change during one generation but may between generations."""
+    packed on first use, shared by the caches derived from this one; ``model.new_cache`` starts it with the panels
+    the model kept from earlier generations, model/kept_panels.py). Weights cannot change during one generation."""
 
     def repeat_interleave(self, n: int) -> ModelCache:
         """Each row replicated n times (prefill a prompt once, then sample G completions from it)."""

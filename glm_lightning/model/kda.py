@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from glm_lightning.model import ops
 from glm_lightning.model.cache import KDACache
 from glm_lightning.model.config import GLMConfig
+from glm_lightning.model.kept_panels import KeptPanels
 from glm_lightning.model.norm import RMSNorm
 from glm_lightning.model.ops import linear
 
@@ -122,14 +123,24 @@ class KDAttention(nn.Module):
         decoding = cache is not None and not torch.is_grad_enabled()
         if decoding and cache.in_weights is not None:  # first: the twelve module lookups below cost a step ~15 us
             return cache.in_weights
-        qkv = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        small = (self.f_a_proj.weight, self.g_a_proj.weight, self.b_proj.weight)
+        qkv, small = self._in_weight_parts()
         if not decoding:
             return torch.cat(qkv), torch.cat(small)
         if cache.in_weights is None:
             with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable in and out of inference mode
                 cache.in_weights = (torch.cat(qkv), torch.cat(small))
         return cache.in_weights
+
+    def _in_weight_parts(self) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        return ((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight),
+                (self.f_a_proj.weight, self.g_a_proj.weight, self.b_proj.weight))
+
+    def kept_in_weights(self, kept: KeptPanels) -> tuple[Tensor, Tensor]:
+        """The fused input projections for a decode cache, the ones ``kept`` holds while their parts are unchanged
+        (so that their panels are kept too: model/kept_panels.py)."""
+        qkv, small = self._in_weight_parts()
+        return (kept.derive((self, "qkv"), qkv, lambda: torch.cat(qkv)),
+                kept.derive((self, "small"), small, lambda: torch.cat(small)))
 
     def gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(g, beta) for input x: g [B, T, H, K] in [lb, 0], beta [B, T, H] in (0, 1), fp32."""

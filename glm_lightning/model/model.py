@@ -20,6 +20,7 @@ from glm_lightning.model.cache import DSACache, KDACache, LayerCache, ModelCache
 from glm_lightning.model.config import GLMConfig
 from glm_lightning.model.dsa import SparseAttention
 from glm_lightning.model.kda import KDAttention
+from glm_lightning.model.kept_panels import kept_panels
 from glm_lightning.model.mhc import HyperConnection, collapse_streams, expand_streams
 from glm_lightning.model.mlp import DenseSwiGLU
 from glm_lightning.model.moe import MoE
@@ -172,13 +173,20 @@ class GLMModel(nn.Module):
 
     # --- decoding caches ----------------------------------------------------------------------------------------
     def new_cache(self, batch: int, device: torch.device | None = None) -> ModelCache:
-        """Empty decoding cache: constant-size KDA state for 'L' layers, preallocated KV + indexer keys for 'S'."""
+        """Empty decoding cache: constant-size KDA state for 'L' layers, preallocated KV + indexer keys for 'S', and
+        the decode's weight panels this model kept from earlier generations where its weights are unchanged
+        (model/kept_panels.py)."""
         device = device or self.embed.weight.device
         dtype = self.embed.weight.dtype  # the keys and values DSA caches are the model's activations
         layers: list[LayerCache] = [
             KDACache.empty(batch, self.cfg, device) if kind == "L" else DSACache.empty(batch, self.cfg, device, dtype)
             for kind in self.cfg.layer_kinds]
-        return ModelCache(layers, packed=PanelStore(self.decode_weights))
+        kept = kept_panels(self, self.decode_weights)
+        if kept is not None:
+            for block, layer in zip(self.blocks, layers):
+                if isinstance(layer, KDACache) and isinstance(block.mixer, KDAttention):
+                    layer.in_weights = block.mixer.kept_in_weights(kept)
+        return ModelCache(layers, packed=PanelStore(self.decode_weights, kept))
 
     # --- MoE balancing and logging ------------------------------------------------------------------------------
     def moe_layers(self) -> list[MoE]:

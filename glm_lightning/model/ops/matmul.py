@@ -83,7 +83,7 @@ def packed_weights(store: dict[Tensor, Tensor] | None) -> Iterator[None]:
 
 def packed(weight: Tensor) -> Tensor | None:
     """weight [out, in] (or [E, out, in]) packed into output panels for :func:`panel_matmul`, packed on first use
-    within the decode in progress, in the store's ``dtype`` (cache.PanelStore: fp32 or bf16; a plain dict: the
+    within the decode in progress unless the model kept it from an earlier one (model/kept_panels.py), in the store's ``dtype`` (cache.PanelStore: fp32 or bf16; a plain dict: the
     weight's); None outside one."""
     if _packs is None:
         return None
@@ -91,6 +91,9 @@ def packed(weight: Tensor) -> Tensor | None:
     if p is None:
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, usable in and out of inference mode
             p = _packs[weight] = torch.ops.glm_lightning.panel_pack(weight, getattr(_packs, "dtype", None))
+        kept = getattr(_packs, "kept", None)
+        if kept is not None:  # for the model's later generations (model/kept_panels.py)
+            kept.keep(weight, p)
     return p
 
 
