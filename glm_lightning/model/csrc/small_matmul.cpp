@@ -1,27 +1,29 @@
-// x @ W^T for a few rows per weight matrix, streaming each weight row once (decoding without autograd).
+// x @ W^T for a few rows per weight matrix, W as the model stores it, [out, in] (without autograd: prefill, decoding
+// without packed weights).
 //
-// Why: decoding 16 rows sends each MoE expert 2-8 tokens. BLAS packs the whole weight matrix into its panel layout
-// on every call, so a GEMM with 4 rows costs nearly what one with 100 rows does: the experts' two bmm were 1.2 ms
-// per layer (1 thread) for 7 MB of weights, ~6 GB/s on a machine that streams ~30 GB/s, and most of the MoE's half
-// of a 16-row decode step. Here every weight row is read once, straight from the [out, in] layout the model stores,
-// and multiplied into all the rows that use it while they sit in L1; rows beyond an expert's count (padding) are not
-// computed at all. A decode step's dense linear layers have the same shape problem (a few rows against a weight
-// matrix that is cold: the step streams the whole model), so they use it too (glm_lightning/model/linear.py).
+// Why: a prefill sends each MoE expert 5-40 tokens, a decode step 2-8; BLAS packs the whole weight matrix into its
+// panel layout on every call, so a GEMM with 4 rows costs nearly what one with 100 rows does. Here each weight is read
+// once. The form before (dot products along `in`, each ending in a horizontal sum) ran the weights at 2-3 GB/s on an
+// Intel Xeon (AVX-512, 1 thread), a third of a plain read, and 2.7x slower than panel_matmul even with the weights in
+// L2 (flash-25m's experts at 44 tokens). Now each task transposes its block of 64 weight rows once into a per-thread
+// scratch of output panels, [panels, in, L] (the layout of csrc/panel_matmul.cpp's panel_pack: panel p holds
+// W[pL .. pL+L-1, k] at row k), with register transposes of L x L blocks, and multiplies from there: each x[m, k]
+// broadcast into a vector of L outputs, a register tile of rows x panels over the whole `in` loop, no horizontal sums.
 //
 //   small_matmul(x [E, M, in], W [E, out, in], counts [E] int64, bias [E, out]) -> y [E, M, out]
 //       y[e, m] = W[e] x[e, m] + bias[e] for m < counts[e]; 0 for the padding rows m >= counts[e]
-//   small_matmul(x [M, in], W [out, in], None, bias [out]) -> y [M, out]: one matrix, decoding's linear layers
+//   small_matmul(x [M, in], W [out, in], None, bias [out]) -> y [M, out]: one matrix, the few-row linear layers
 //
-// A row's sums run in the same order whatever the other rows are, so a token's output never depends on its batch.
-//
-// Accumulation runs over 16-float vector lanes (glm_lightning_ops::Lanes, kernel_helpers.h), so the sum order differs
-// from BLAS in the last bits (tests: within 1e-5 of torch.bmm).
+// Each output sums its `in` products in order k = 0, 1, ... (one multiply-add per k, then the bias), whatever the other
+// rows or outputs are: a token's output never depends on its batch, and equals panel_matmul's on the packed weights
+// bit for bit (the same operations in the same order; tests/test_moe.py), so a prefill and the decode steps after it
+// compute their matmuls alike. The order differs from BLAS's in the last bits (tests: within 1e-5 of torch.bmm).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -29,71 +31,120 @@
 
 namespace {
 
-using glm_lightning_ops::kLanes;
-using v16 = glm_lightning_ops::Lanes<float>::Vec;  // kLanes floats (the name is from the 16-lane AVX-512 form)
-constexpr auto load16 = glm_lightning_ops::Lanes<float>::load;
-constexpr auto hsum = glm_lightning_ops::Lanes<float>::sum;
-constexpr auto sums16 = glm_lightning_ops::Lanes<float>::sums16;
+using Ln = glm_lightning_ops::Lanes<float>;
+using Vec = Ln::Vec;
+constexpr int64_t kL = glm_lightning_ops::kLanes;  // outputs per panel: one vector
+constexpr int64_t kChunkPanels = 4;                // panels per task: 64 weight rows at 16 lanes, 32 at 8
+constexpr int64_t kLinesPerStep = std::max<int64_t>(1, kChunkPanels * kL / 16);  // 64-byte lines of a chunk per k
 
-// y[m, n] = <x[m], W[n]> for MB rows of x (from m0) and NB weight rows (from n0); rows `in` floats long. The NB
-// weight vectors are loaded once per 16 columns and multiplied into all MB rows (from L1). A 4-column block's up to
-// 16 lane sums are reduced together (Lanes::sums16; the same sums as 16 Lanes::sum, ~10% off a 16-row decode step's
-// matmuls).
-template <int MB, int NB>
-inline void block(const float* __restrict x, const float* __restrict W, float* __restrict y, int64_t m0, int64_t n0,
-                  int64_t in, int64_t out, const float* prefetch = nullptr) {
-  static_assert(MB * NB <= 16, "one register tile");
-  v16 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = v16{};
-  const int64_t kv = in - in % kLanes;
-  for (int64_t k = 0; k < kv; k += kLanes) {
-    v16 w[NB];
-    for (int j = 0; j < NB; ++j) w[j] = load16(W + (n0 + j) * in + k);
-    if (prefetch != nullptr)
-      for (int j = 0; j < NB; ++j) __builtin_prefetch(prefetch + j * in + k, 0, 0);
-    for (int i = 0; i < MB; ++i) {
-      const v16 xv = load16(x + (m0 + i) * in + k);
-      for (int j = 0; j < NB; ++j) acc[i * NB + j] += xv * w[j];
+// Accumulators per register tile: 16 where the target has 32 vector registers (AVX-512, aarch64), 12 where it has 16
+// (AVX2, SSE: the tile's accumulators, its weight vectors and the broadcast must fit without spilling).
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kTileAcc = 16;
+#else
+constexpr int kTileAcc = 12;
+#endif
+
+// Weight rows [n0, n0 + cols) of W [out, in] (cols <= kChunkPanels * kL) as panels [ceil(cols / L), in, L] in P,
+// a ragged last panel's missing outputs zero. L full rows are read as L vectors at a time (each row contiguously),
+// transposed in registers and stored as L panel rows; while one panel's rows are read, the next L weight rows (the
+// next panel's, or the next chunk's: W is contiguous) are prefetched at the same k, one panel's bytes ahead.
+inline void pack_chunk(const float* __restrict W, int64_t in, int64_t n0, int64_t cols, float* __restrict P) {
+  const int64_t kv = in - in % kL;
+  for (int64_t p = 0; p * kL < cols; ++p) {
+    const int64_t n = std::min(kL, cols - p * kL);
+    const float* src = W + (n0 + p * kL) * in;
+    float* dst = P + p * in * kL;
+    if (n == kL) {
+      for (int64_t k = 0; k < kv; k += kL) {
+        Vec r[kL];
+        for (int64_t c = 0; c < kL; ++c) {
+          r[c] = Ln::load(src + c * in + k);
+          __builtin_prefetch(src + (kL + c) * in + k, 0, 2);
+        }
+        Ln::transpose(r);
+        for (int64_t j = 0; j < kL; ++j) Ln::store(dst + (k + j) * kL, r[j]);
+      }
+      for (int64_t k = kv; k < in; ++k)
+        for (int64_t c = 0; c < kL; ++c) dst[k * kL + c] = src[c * in + k];
+    } else {
+      for (int64_t k = 0; k < in; ++k)
+        for (int64_t c = 0; c < kL; ++c) dst[k * kL + c] = c < n ? src[c * in + k] : 0.f;
     }
   }
-  float sums[16];
-  if constexpr (NB == 4) {
-    for (int i = 0; i < 16; i += kLanes) glm_lightning_ops::Lanes<float>::store(sums + i, sums16(acc + i));
-  } else {
-    for (int i = 0; i < MB * NB; ++i) sums[i] = hsum(acc[i]);
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) {
-      float s = sums[i * NB + j];
-      for (int64_t k = kv; k < in; ++k) s += x[(m0 + i) * in + k] * W[(n0 + j) * in + k];
-      y[(m0 + i) * out + n0 + j] = s;
-    }
 }
 
-// Weight rows [n_begin, n_end) of one matrix against its `rows` rows: each weight row is read once from memory.
-// The first pass over 4 weight rows takes the rows % 4 (else 4) leading rows in one block, so that it is the only
-// pass that waits on memory (the rest find the 4 weight rows in L1), and it prefetches the weight rows kPrefetchRows
-// ahead: the hardware prefetcher alone left the loads waiting (flash-25m's 12 layers of experts at 16 decode rows,
-// 1 thread: 6.7 -> 3.9 ms; one pass 6.7 -> 6.0 of that). A row's sums run in the same order whatever the block.
-constexpr int64_t kPrefetchRows = 8;
-
-inline void matrix(const float* x, const float* W, float* y, int64_t rows, int64_t n_begin, int64_t n_end, int64_t in,
-                   int64_t out) {
-  const int64_t lead = rows % 4 == 0 ? 4 : rows % 4;
-  int64_t n = n_begin;
-  for (; n + 4 <= n_end; n += 4) {
-    // within the matrix: the last 4 rows prefetch themselves
-    const float* ahead = W + std::min(n + kPrefetchRows, out - 4) * in;
-    switch (lead) {
-      case 1: block<1, 4>(x, W, y, 0, n, in, out, ahead); break;
-      case 2: block<2, 4>(x, W, y, 0, n, in, out, ahead); break;
-      case 3: block<3, 4>(x, W, y, 0, n, in, out, ahead); break;
-      default: block<4, 4>(x, W, y, 0, n, in, out, ahead);
+// y[m0 .. m0+MB, panels 0 .. V) for MB rows of x (row stride `in`) and V panels starting at P (panel stride in * L);
+// the MB x V accumulators stay in registers across k. Writes the first `last_cols` outputs of the last panel, adding
+// bias (nullable) at the panels' outputs. `ahead` (nullable): the next chunk's weights, prefetched kLinesPerStep lines
+// per k (the whole chunk over one `in` loop) into L2, so that the next pack_chunk finds them there.
+template <int MB, int V>
+inline void tile(const float* __restrict x, const float* __restrict P, float* __restrict y, int64_t in, int64_t out,
+                 int64_t last_cols, const float* bias, const float* ahead) {
+  Vec acc[MB][V];
+  for (int i = 0; i < MB; ++i)
+    for (int v = 0; v < V; ++v) acc[i][v] = Vec{};
+  const int64_t stride = in * kL;
+  for (int64_t k = 0; k < in; ++k) {
+    Vec w[V];
+    for (int v = 0; v < V; ++v) w[v] = Ln::load(P + v * stride + k * kL);
+    if (ahead != nullptr)
+      for (int64_t j = 0; j < kLinesPerStep; ++j) __builtin_prefetch(ahead + (k * kLinesPerStep + j) * 16, 0, 2);
+    for (int i = 0; i < MB; ++i) {
+      const float xi = x[i * in + k];
+      for (int v = 0; v < V; ++v) acc[i][v] += xi * w[v];
     }
-    for (int64_t m = lead; m + 4 <= rows; m += 4) block<4, 4>(x, W, y, m, n, in, out);
   }
-  for (; n < n_end; ++n)
-    for (int64_t m = 0; m < rows; ++m) block<1, 1>(x, W, y, m, n, in, out);
+  for (int v = 0; v < V; ++v) {
+    const int64_t cols = v == V - 1 ? last_cols : kL;
+    Vec b{};
+    if (bias != nullptr)
+      for (int64_t c = 0; c < cols; ++c) b[c] = bias[v * kL + c];
+    for (int i = 0; i < MB; ++i) {
+      const Vec r = acc[i][v] + b;
+      float* yr = y + i * out + v * kL;
+      if (cols == kL) {
+        Ln::store(yr, r);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) yr[c] = r[c];
+      }
+    }
+  }
+}
+
+// tile<mb, V> for a run-time mb in [1, kTileAcc / V]: every row count its own register tile.
+template <int V, int MB = 1>
+inline void tile_rows(int64_t mb, const float* x, const float* P, float* y, int64_t in, int64_t out, int64_t last_cols,
+                      const float* bias, const float* ahead) {
+  if constexpr ((MB + 1) * V <= kTileAcc) {
+    if (mb > MB) return tile_rows<V, MB + 1>(mb, x, P, y, in, out, last_cols, bias, ahead);
+  }
+  tile<MB, V>(x, P, y, in, out, last_cols, bias, ahead);
+}
+
+// All `rows` rows against the `panels` packed panels of one chunk: V = panels wide tiles (up to kTileAcc / V rows
+// each); the first row tile prefetches the next chunk.
+template <int V>
+inline void chunk_rows(const float* x, const float* P, float* y, int64_t rows, int64_t in, int64_t out,
+                       int64_t last_cols, const float* bias, const float* ahead) {
+  for (int64_t m = 0; m < rows; m += kTileAcc / V)
+    tile_rows<V>(std::min<int64_t>(kTileAcc / V, rows - m), x + m * in, P, y + m * out, in, out, last_cols, bias,
+                 m == 0 ? ahead : nullptr);
+}
+
+// One task: weight rows [n0, n0 + cols) of one matrix, packed into P, against its `rows` rows of x.
+inline void chunk(const float* x, const float* W, float* y, const float* bias, int64_t rows, int64_t n0, int64_t cols,
+                  int64_t in, int64_t out, float* P, const float* ahead) {
+  pack_chunk(W, in, n0, cols, P);
+  const int64_t panels = (cols + kL - 1) / kL, last_cols = cols - (panels - 1) * kL;
+  const float* b = bias == nullptr ? nullptr : bias + n0;
+  float* yc = y + n0;
+  switch (panels) {
+    case 1: return chunk_rows<1>(x, P, yc, rows, in, out, last_cols, b, ahead);
+    case 2: return chunk_rows<2>(x, P, yc, rows, in, out, last_cols, b, ahead);
+    case 3: return chunk_rows<3>(x, P, yc, rows, in, out, last_cols, b, ahead);
+    default: return chunk_rows<4>(x, P, yc, rows, in, out, last_cols, b, ahead);
+  }
 }
 
 // x [E, M, in] and W [E, out, in] (or x [M, in] and W [out, in]: one matrix, y [M, out]); counts [E] (None: all M
@@ -106,9 +157,8 @@ at::Tensor small_matmul(const at::Tensor& x_in, const at::Tensor& W_in, const st
               "expected x [E, M, in] and W [E, out, in], or x [M, in] and W [out, in]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && W_in.scalar_type() == at::kFloat, "fp32 only");
   TORCH_CHECK(x_in.device().is_cpu() && W_in.device().is_cpu(), "CPU only");
-  const at::Tensor x = one ? x_in.contiguous().unsqueeze(0) : x_in.contiguous();
-  const at::Tensor W = one ? W_in.contiguous().unsqueeze(0) : W_in.contiguous();
-  const int64_t E = x.size(0), M = x.size(1), in = x.size(2), out = W.size(1);
+  const at::Tensor x = x_in.contiguous(), W = W_in.contiguous();
+  const int64_t E = one ? 1 : x.size(0), M = x.size(-2), in = x.size(-1), out = W.size(-2);
   at::Tensor counts;
   if (counts_in.has_value()) {
     counts = counts_in->to(at::kLong).contiguous();
@@ -125,18 +175,27 @@ at::Tensor small_matmul(const at::Tensor& x_in, const at::Tensor& W_in, const st
   const int64_t* cp = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
   float* yp = y.data_ptr<float>();
   glm_lightning_ops::zero_padding_rows(yp, cp, E, M, out);
-  constexpr int64_t CHUNK = 32;  // weight rows per task (a multiple of 4; a [192, in] linear: 6 tasks for 2 threads)
-  const int64_t per_e = (out + CHUNK - 1) / CHUNK;
+  if (M == 0 || in == 0) {
+    if (in == 0) y.zero_();  // no products: y = 0 (+ bias on the real rows, below)
+    if (bp != nullptr && in == 0)
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t m = 0; m < (cp == nullptr ? M : cp[e]); ++m)
+          std::copy(bp + e * out, bp + (e + 1) * out, yp + (e * M + m) * out);
+    return y;
+  }
+  constexpr int64_t CHUNK = kChunkPanels * kL;  // weight rows per task (a [192, in] linear: 3 tasks at 16 lanes)
+  const int64_t per_e = (out + CHUNK - 1) / CHUNK, total = E * out * in;
   at::parallel_for(0, E * per_e, 1, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>(kChunkPanels * kL * in + 16));
+    float* P = scratch.data() + (16 - reinterpret_cast<uintptr_t>(scratch.data()) / sizeof(float) % 16) % 16;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t e = task / per_e, n_begin = (task % per_e) * CHUNK, n_end = std::min(out, n_begin + CHUNK);
+      const int64_t e = task / per_e, n0 = (task % per_e) * CHUNK, cols = std::min(out, n0 + CHUNK) - n0;
       const int64_t rows = cp == nullptr ? M : cp[e];
       if (rows == 0) continue;
-      float* ye = yp + e * M * out;
-      matrix(xp + e * M * in, wp + e * out * in, ye, rows, n_begin, n_end, in, out);
-      if (bp != nullptr)
-        for (int64_t m = 0; m < rows; ++m)
-          for (int64_t n = n_begin; n < n_end; ++n) ye[m * out + n] += bp[e * out + n];
+      const int64_t next = (e * out + n0 + cols) * in;  // the next chunk's first weight (W is contiguous)
+      chunk(xp + e * M * in, wp + e * out * in, yp + e * M * out, bp == nullptr ? nullptr : bp + e * out, rows, n0,
+            cols, in, out, P, next + CHUNK * in <= total ? wp + next : nullptr);
     }
   });
   return y;
