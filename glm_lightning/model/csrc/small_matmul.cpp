@@ -9,6 +9,11 @@
 // scratch of output panels, [panels, in, L] (the layout of csrc/panel_matmul.cpp's panel_pack: panel p holds
 // W[pL .. pL+L-1, k] at row k), with register transposes of L x L blocks, and multiplies from there: each x[m, k]
 // broadcast into a vector of L outputs, a register tile of rows x panels over the whole `in` loop, no horizontal sums.
+// flash-25m's routed experts, 12 layers' weights cycled cold, 1 thread, Intel Xeon (AVX-512, a shared machine, process
+// time, medians of 11, the forms in turns): 44 tokens 24-26 -> 17-18 ms, 64 tokens 31-32 -> 17-19, 16 tokens 16-18 ->
+// 12-13 (panel_matmul on weights packed beforehand: 12-13 / 12-14 / 10; a plain read of the 85 MB: 9-10 ms). Tried and
+// dropped: weights broadcast against x's rows as lanes (no transposes, but every weight's multiply-add on a vector of
+// rows, mostly padding at 5-16 rows: 1.2-1.5x slower), prefetching the next chunk during the tiles (no gain).
 //
 //   small_matmul(x [E, M, in], W [E, out, in], counts [E] int64, bias [E, out]) -> y [E, M, out]
 //       y[e, m] = W[e] x[e, m] + bias[e] for m < counts[e]; 0 for the padding rows m >= counts[e]
@@ -35,7 +40,6 @@ using Ln = glm_lightning_ops::Lanes<float>;
 using Vec = Ln::Vec;
 constexpr int64_t kL = glm_lightning_ops::kLanes;  // outputs per panel: one vector
 constexpr int64_t kChunkPanels = 4;                // panels per task: 64 weight rows at 16 lanes, 32 at 8
-constexpr int64_t kLinesPerStep = std::max<int64_t>(1, kChunkPanels * kL / 16);  // 64-byte lines of a chunk per k
 
 // Accumulators per register tile: 16 where the target has 32 vector registers (AVX-512, aarch64), 12 where it has 16
 // (AVX2, SSE: the tile's accumulators, its weight vectors and the broadcast must fit without spilling).
@@ -76,11 +80,11 @@ inline void pack_chunk(const float* __restrict W, int64_t in, int64_t n0, int64_
 
 // y[m0 .. m0+MB, panels 0 .. V) for MB rows of x (row stride `in`) and V panels starting at P (panel stride in * L);
 // the MB x V accumulators stay in registers across k. Writes the first `last_cols` outputs of the last panel, adding
-// bias (nullable) at the panels' outputs. `ahead` (nullable): the next chunk's weights, prefetched kLinesPerStep lines
-// per k (the whole chunk over one `in` loop) into L2, so that the next pack_chunk finds them there.
+// bias (nullable) at the panels' outputs. (No prefetch here: the next chunk's weights prefetched while the tiles ran,
+// all at once or spread over them, did not pay: flash-25m's experts at 16-64 tokens, 12 layers cold, 1 thread.)
 template <int MB, int V>
 inline void tile(const float* __restrict x, const float* __restrict P, float* __restrict y, int64_t in, int64_t out,
-                 int64_t last_cols, const float* bias, const float* ahead) {
+                 int64_t last_cols, const float* bias) {
   Vec acc[MB][V];
   for (int i = 0; i < MB; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = Vec{};
@@ -88,8 +92,6 @@ inline void tile(const float* __restrict x, const float* __restrict P, float* __
   for (int64_t k = 0; k < in; ++k) {
     Vec w[V];
     for (int v = 0; v < V; ++v) w[v] = Ln::load(P + v * stride + k * kL);
-    if (ahead != nullptr)
-      for (int64_t j = 0; j < kLinesPerStep; ++j) __builtin_prefetch(ahead + (k * kLinesPerStep + j) * 16, 0, 2);
     for (int i = 0; i < MB; ++i) {
       const float xi = x[i * in + k];
       for (int v = 0; v < V; ++v) acc[i][v] += xi * w[v];
@@ -115,35 +117,33 @@ inline void tile(const float* __restrict x, const float* __restrict P, float* __
 // tile<mb, V> for a run-time mb in [1, kTileAcc / V]: every row count its own register tile.
 template <int V, int MB = 1>
 inline void tile_rows(int64_t mb, const float* x, const float* P, float* y, int64_t in, int64_t out, int64_t last_cols,
-                      const float* bias, const float* ahead) {
+                      const float* bias) {
   if constexpr ((MB + 1) * V <= kTileAcc) {
-    if (mb > MB) return tile_rows<V, MB + 1>(mb, x, P, y, in, out, last_cols, bias, ahead);
+    if (mb > MB) return tile_rows<V, MB + 1>(mb, x, P, y, in, out, last_cols, bias);
   }
-  tile<MB, V>(x, P, y, in, out, last_cols, bias, ahead);
+  tile<MB, V>(x, P, y, in, out, last_cols, bias);
 }
 
-// All `rows` rows against the `panels` packed panels of one chunk: V = panels wide tiles (up to kTileAcc / V rows
-// each); the first row tile prefetches the next chunk.
+// All `rows` rows against the `V` packed panels of one chunk, up to kTileAcc / V rows per register tile.
 template <int V>
 inline void chunk_rows(const float* x, const float* P, float* y, int64_t rows, int64_t in, int64_t out,
-                       int64_t last_cols, const float* bias, const float* ahead) {
+                       int64_t last_cols, const float* bias) {
   for (int64_t m = 0; m < rows; m += kTileAcc / V)
-    tile_rows<V>(std::min<int64_t>(kTileAcc / V, rows - m), x + m * in, P, y + m * out, in, out, last_cols, bias,
-                 m == 0 ? ahead : nullptr);
+    tile_rows<V>(std::min<int64_t>(kTileAcc / V, rows - m), x + m * in, P, y + m * out, in, out, last_cols, bias);
 }
 
 // One task: weight rows [n0, n0 + cols) of one matrix, packed into P, against its `rows` rows of x.
 inline void chunk(const float* x, const float* W, float* y, const float* bias, int64_t rows, int64_t n0, int64_t cols,
-                  int64_t in, int64_t out, float* P, const float* ahead) {
+                  int64_t in, int64_t out, float* P) {
   pack_chunk(W, in, n0, cols, P);
   const int64_t panels = (cols + kL - 1) / kL, last_cols = cols - (panels - 1) * kL;
   const float* b = bias == nullptr ? nullptr : bias + n0;
   float* yc = y + n0;
   switch (panels) {
-    case 1: return chunk_rows<1>(x, P, yc, rows, in, out, last_cols, b, ahead);
-    case 2: return chunk_rows<2>(x, P, yc, rows, in, out, last_cols, b, ahead);
-    case 3: return chunk_rows<3>(x, P, yc, rows, in, out, last_cols, b, ahead);
-    default: return chunk_rows<4>(x, P, yc, rows, in, out, last_cols, b, ahead);
+    case 1: return chunk_rows<1>(x, P, yc, rows, in, out, last_cols, b);
+    case 2: return chunk_rows<2>(x, P, yc, rows, in, out, last_cols, b);
+    case 3: return chunk_rows<3>(x, P, yc, rows, in, out, last_cols, b);
+    default: return chunk_rows<4>(x, P, yc, rows, in, out, last_cols, b);
   }
 }
 
@@ -184,7 +184,7 @@ at::Tensor small_matmul(const at::Tensor& x_in, const at::Tensor& W_in, const st
     return y;
   }
   constexpr int64_t CHUNK = kChunkPanels * kL;  // weight rows per task (a [192, in] linear: 3 tasks at 16 lanes)
-  const int64_t per_e = (out + CHUNK - 1) / CHUNK, total = E * out * in;
+  const int64_t per_e = (out + CHUNK - 1) / CHUNK;
   at::parallel_for(0, E * per_e, 1, [&](int64_t begin, int64_t end) {
     static thread_local std::vector<float> scratch;
     scratch.resize(static_cast<size_t>(kChunkPanels * kL * in + 16));
@@ -193,9 +193,8 @@ at::Tensor small_matmul(const at::Tensor& x_in, const at::Tensor& W_in, const st
       const int64_t e = task / per_e, n0 = (task % per_e) * CHUNK, cols = std::min(out, n0 + CHUNK) - n0;
       const int64_t rows = cp == nullptr ? M : cp[e];
       if (rows == 0) continue;
-      const int64_t next = (e * out + n0 + cols) * in;  // the next chunk's first weight (W is contiguous)
       chunk(xp + e * M * in, wp + e * out * in, yp + e * M * out, bp == nullptr ? nullptr : bp + e * out, rows, n0,
-            cols, in, out, P, next + CHUNK * in <= total ? wp + next : nullptr);
+            cols, in, out, P);
     }
   });
   return y;
