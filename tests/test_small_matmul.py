@@ -59,3 +59,22 @@ def test_no_rows_and_strided_inputs():
     Wt = torch.randn(64, 30, generator=gen).t()
     assert torch.equal(torch.ops.glm_lightning.small_matmul(wide[:, ::2], Wt),
                        torch.ops.glm_lightning.small_matmul(wide[:, ::2].contiguous(), Wt.contiguous()))
+
+
+@needs_cext
+@pytest.mark.parametrize("shape", [(8, 14, 192, 768), (3, 40, 50, 38), (2, 33, 17, 130), (3, 5, 20, 2)])
+def test_swiglu_form_equals_swiglu_of_the_projections(shape):
+    """swiglu=True: W = [W_gate; W_up] -> SiLU(x W_gate^T) * (x W_up^T) on the real rows, zeros on the padding rows,
+    bit for bit the C++ SwiGLU (csrc/swiglu.cpp) of small_matmul's [gate | up] sums (hidden sizes off the lanes: a
+    ragged last panel of gate and of up units; pre-activations up to ~+-15, SiLU's tails)."""
+    x, W, _, counts = few_row_matmul_case(shape)
+    W = 4 * W
+    a = torch.ops.glm_lightning.small_matmul(x, W, counts, None, swiglu=True)
+    assert a.shape == (*x.shape[:2], shape[3] // 2)
+    assert torch.equal(a, torch.ops.glm_lightning.swiglu(torch.ops.glm_lightning.small_matmul(x, W, counts)))
+    one = torch.ops.glm_lightning.small_matmul(x[0], W[0], None, None, swiglu=True)
+    assert torch.equal(one, a[0])  # counts[0] = M: every row real
+    with pytest.raises(RuntimeError, match="swiglu"):
+        torch.ops.glm_lightning.small_matmul(x, W, counts, torch.zeros(shape[0], shape[3]), swiglu=True)
+    with pytest.raises(RuntimeError, match="swiglu"):
+        torch.ops.glm_lightning.small_matmul(x, W[:, 1:], counts, None, swiglu=True)

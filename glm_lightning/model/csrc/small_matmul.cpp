@@ -34,7 +34,9 @@
 
 #include "kernel_helpers.h"
 
-namespace {
+// Named, not anonymous: a one-unit build of the library (cext.py, one job) puts every source in one translation unit,
+// where panel_matmul.cpp's and short_conv.cpp's helpers of the same names (kTileAcc, tile, exp_lanes) live.
+namespace small_matmul_kernel {
 
 using Ln = glm_lightning_ops::Lanes<float>;
 using Vec = Ln::Vec;
@@ -78,11 +80,38 @@ inline void pack_chunk(const float* __restrict W, int64_t in, int64_t n0, int64_
   }
 }
 
+// exp_ (kernel_helpers.h) on kL lanes: each lane as exp_ gives it (the same operations in the same order).
+inline Vec exp_lanes(Vec x) {
+  typedef int32_t IVec __attribute__((vector_size(kL * sizeof(int32_t))));
+  return glm_lightning_ops::exp_poly<Vec, IVec>(x);
+}
+
+// a = SiLU(g) u for H gate panels acc[i][0 .. H) and their up panels acc[i][H .. 2H): the operations of
+// csrc/swiglu.cpp on the sums small_matmul would store (each plus a zero bias, as stored), g / (1 + exp_(-g)) * u.
+template <int MB, int H>
+inline void swiglu_out(const Vec (&acc)[MB][2 * H], float* __restrict y, int64_t out, int64_t last_cols) {
+  for (int v = 0; v < H; ++v) {
+    const int64_t cols = v == H - 1 ? last_cols : kL;
+    for (int i = 0; i < MB; ++i) {
+      const Vec g = acc[i][v] + Vec{}, u = acc[i][H + v] + Vec{};
+      const Vec r = g / (1.f + exp_lanes(-g)) * u;
+      float* yr = y + i * out + v * kL;
+      if (cols == kL) {
+        Ln::store(yr, r);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) yr[c] = r[c];
+      }
+    }
+  }
+}
+
 // y[m0 .. m0+MB, panels 0 .. V) for MB rows of x (row stride `in`) and V panels starting at P (panel stride in * L);
 // the MB x V accumulators stay in registers across k. Writes the first `last_cols` outputs of the last panel, adding
 // bias (nullable) at the panels' outputs. (No prefetch here: the next chunk's weights prefetched while the tiles ran,
 // all at once or spread over them, did not pay: flash-25m's experts at 16-64 tokens, 12 layers cold, 1 thread.)
-template <int MB, int V>
+// SWIGLU: the first V / 2 panels are gate outputs and the last V / 2 the matching up outputs; writes
+// a = SiLU(gate) up (V / 2 panels, `last_cols` in the last) as csrc/swiglu.cpp computes it from the stored sums.
+template <int MB, int V, bool SWIGLU>
 inline void tile(const float* __restrict x, const float* __restrict P, float* __restrict y, int64_t in, int64_t out,
                  int64_t last_cols, const float* bias) {
   Vec acc[MB][V];
@@ -97,6 +126,7 @@ inline void tile(const float* __restrict x, const float* __restrict P, float* __
       for (int v = 0; v < V; ++v) acc[i][v] += xi * w[v];
     }
   }
+  if constexpr (SWIGLU) return swiglu_out<MB, V / 2>(acc, y, out, last_cols);
   for (int v = 0; v < V; ++v) {
     const int64_t cols = v == V - 1 ? last_cols : kL;
     Vec b{};
@@ -115,21 +145,33 @@ inline void tile(const float* __restrict x, const float* __restrict P, float* __
 }
 
 // tile<mb, V> for a run-time mb in [1, kTileAcc / V]: every row count its own register tile.
-template <int V, int MB = 1>
+template <int V, bool SWIGLU, int MB = 1>
 inline void tile_rows(int64_t mb, const float* x, const float* P, float* y, int64_t in, int64_t out, int64_t last_cols,
                       const float* bias) {
   if constexpr ((MB + 1) * V <= kTileAcc) {
-    if (mb > MB) return tile_rows<V, MB + 1>(mb, x, P, y, in, out, last_cols, bias);
+    if (mb > MB) return tile_rows<V, SWIGLU, MB + 1>(mb, x, P, y, in, out, last_cols, bias);
   }
-  tile<MB, V>(x, P, y, in, out, last_cols, bias);
+  tile<MB, V, SWIGLU>(x, P, y, in, out, last_cols, bias);
 }
 
 // All `rows` rows against the `V` packed panels of one chunk, up to kTileAcc / V rows per register tile.
-template <int V>
+template <int V, bool SWIGLU = false>
 inline void chunk_rows(const float* x, const float* P, float* y, int64_t rows, int64_t in, int64_t out,
                        int64_t last_cols, const float* bias) {
   for (int64_t m = 0; m < rows; m += kTileAcc / V)
-    tile_rows<V>(std::min<int64_t>(kTileAcc / V, rows - m), x + m * in, P, y + m * out, in, out, last_cols, bias);
+    tile_rows<V, SWIGLU>(std::min<int64_t>(kTileAcc / V, rows - m), x + m * in, P, y + m * out, in, out, last_cols,
+                         bias);
+}
+
+// One SwiGLU task: hidden units [n0, n0 + cols) of W = [W_gate; W_up] (2h rows), their gate and up rows packed
+// side by side into P (gate panels first), against `rows` rows of x; writes a [rows, h] at columns n0...
+inline void swiglu_chunk(const float* x, const float* W, float* a, int64_t rows, int64_t n0, int64_t cols, int64_t in,
+                         int64_t h, float* P) {
+  const int64_t panels = (cols + kL - 1) / kL, last_cols = cols - (panels - 1) * kL;
+  pack_chunk(W, in, n0, cols, P);
+  pack_chunk(W, in, h + n0, cols, P + panels * in * kL);
+  if (panels == 1) return chunk_rows<2, true>(x, P, a + n0, rows, in, h, last_cols, nullptr);
+  return chunk_rows<4, true>(x, P, a + n0, rows, in, h, last_cols, nullptr);
 }
 
 // One task: weight rows [n0, n0 + cols) of one matrix, packed into P, against its `rows` rows of x.
@@ -148,9 +190,11 @@ inline void chunk(const float* x, const float* W, float* y, const float* bias, i
 }
 
 // x [E, M, in] and W [E, out, in] (or x [M, in] and W [out, in]: one matrix, y [M, out]); counts [E] (None: all M
-// rows); bias [E, out] or [out] (None: none), added to the real rows.
+// rows); bias [E, out] or [out] (None: none), added to the real rows. swiglu: W = [W_gate; W_up] (out = 2h rows, no
+// bias) -> a [E, M, h] = SiLU(x W_gate^T) * (x W_up^T), as swiglu(small_matmul(x, W)) computes it, bit for bit, in one
+// pass (no [E, M, 2h] intermediate, no SwiGLU over the padding rows, one dispatched op less).
 at::Tensor small_matmul(const at::Tensor& x_in, const at::Tensor& W_in, const std::optional<at::Tensor>& counts_in,
-                        const std::optional<at::Tensor>& bias_in) {
+                        const std::optional<at::Tensor>& bias_in, bool swiglu) {
   const bool one = x_in.dim() == 2 && W_in.dim() == 2;
   TORCH_CHECK((one || (x_in.dim() == 3 && W_in.dim() == 3 && x_in.size(0) == W_in.size(0))) &&
                   x_in.size(-1) == W_in.size(-1),
@@ -159,6 +203,8 @@ at::Tensor small_matmul(const at::Tensor& x_in, const at::Tensor& W_in, const st
   TORCH_CHECK(x_in.device().is_cpu() && W_in.device().is_cpu(), "CPU only");
   const at::Tensor x = x_in.contiguous(), W = W_in.contiguous();
   const int64_t E = one ? 1 : x.size(0), M = x.size(-2), in = x.size(-1), out = W.size(-2);
+  TORCH_CHECK(!swiglu || (out % 2 == 0 && !bias_in.has_value()), "swiglu needs W = [W_gate; W_up] (2h rows), no bias");
+  const int64_t width = swiglu ? out / 2 : out;  // y's columns
   at::Tensor counts;
   if (counts_in.has_value()) {
     counts = counts_in->to(at::kLong).contiguous();
@@ -169,43 +215,48 @@ at::Tensor small_matmul(const at::Tensor& x_in, const at::Tensor& W_in, const st
     bias = bias_in->contiguous();
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == E * out, "bias must be fp32 [E, out] or [out]");
   }
-  at::Tensor y = at::empty(one ? at::IntArrayRef{M, out} : at::IntArrayRef{E, M, out}, x.options());
+  at::Tensor y = at::empty(one ? at::IntArrayRef{M, width} : at::IntArrayRef{E, M, width}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = W.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const int64_t* cp = counts.defined() ? counts.data_ptr<int64_t>() : nullptr;
   float* yp = y.data_ptr<float>();
-  glm_lightning_ops::zero_padding_rows(yp, cp, E, M, out);
+  glm_lightning_ops::zero_padding_rows(yp, cp, E, M, width);
   if (M == 0 || in == 0) {
-    if (in == 0) y.zero_();  // no products: y = 0 (+ bias on the real rows, below)
+    if (in == 0) y.zero_();  // no products: y = 0 (+ bias on the real rows, below; SiLU(0) 0 = 0)
     if (bp != nullptr && in == 0)
       for (int64_t e = 0; e < E; ++e)
         for (int64_t m = 0; m < (cp == nullptr ? M : cp[e]); ++m)
           std::copy(bp + e * out, bp + (e + 1) * out, yp + (e * M + m) * out);
     return y;
   }
-  constexpr int64_t CHUNK = kChunkPanels * kL;  // weight rows per task (a [192, in] linear: 3 tasks at 16 lanes)
-  const int64_t per_e = (out + CHUNK - 1) / CHUNK;
+  // outputs per task: 64 weight rows at 16 lanes (a [192, in] linear: 3 tasks), or 32 hidden units' gate and up rows
+  const int64_t unit = swiglu ? kChunkPanels / 2 * kL : kChunkPanels * kL, per_e = (width + unit - 1) / unit;
   at::parallel_for(0, E * per_e, 1, [&](int64_t begin, int64_t end) {
     static thread_local std::vector<float> scratch;
     scratch.resize(static_cast<size_t>(kChunkPanels * kL * in + 16));
     float* P = scratch.data() + (16 - reinterpret_cast<uintptr_t>(scratch.data()) / sizeof(float) % 16) % 16;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t e = task / per_e, n0 = (task % per_e) * CHUNK, cols = std::min(out, n0 + CHUNK) - n0;
+      const int64_t e = task / per_e, n0 = (task % per_e) * unit, cols = std::min(width, n0 + unit) - n0;
       const int64_t rows = cp == nullptr ? M : cp[e];
       if (rows == 0) continue;
-      chunk(xp + e * M * in, wp + e * out * in, yp + e * M * out, bp == nullptr ? nullptr : bp + e * out, rows, n0,
-            cols, in, out, P);
+      const float *xe = xp + e * M * in, *We = wp + e * out * in;
+      float* ye = yp + e * M * width;
+      if (swiglu) {
+        swiglu_chunk(xe, We, ye, rows, n0, cols, in, width, P);
+      } else {
+        chunk(xe, We, ye, bp == nullptr ? nullptr : bp + e * out, rows, n0, cols, in, out, P);
+      }
     }
   });
   return y;
 }
 
-}  // namespace
+}  // namespace small_matmul_kernel
 
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
-  m.def("small_matmul(Tensor x, Tensor W, Tensor? counts=None, Tensor? bias=None) -> Tensor");
+  m.def("small_matmul(Tensor x, Tensor W, Tensor? counts=None, Tensor? bias=None, bool swiglu=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
-  m.impl("small_matmul", &small_matmul);
+  m.impl("small_matmul", &small_matmul_kernel::small_matmul);
 }
