@@ -78,3 +78,35 @@ def test_swiglu_form_equals_swiglu_of_the_projections(shape):
         torch.ops.glm_lightning.small_matmul(x, W, counts, torch.zeros(shape[0], shape[3]), swiglu=True)
     with pytest.raises(RuntimeError, match="swiglu"):
         torch.ops.glm_lightning.small_matmul(x, W[:, 1:], counts, None, swiglu=True)
+
+
+@needs_cext
+@pytest.mark.parametrize("tokens", [1, 20, 32, 44, 96, 97])
+def test_shared_expert_few_tokens_fused(tokens, monkeypatch):
+    """Without autograd and outside a cached decode, the shared expert's SwiGLU MLP runs as small_matmul(swiglu=True)
+    then small_matmul for 1..SMALL_TOKENS tokens: at up to SMALL_ROWS tokens bit for bit the values of the linears'
+    small_matmul path before (linear, C++ SwiGLU, linear), above within float rounding of BLAS's; more tokens, autograd
+    or a panel store keep the linears."""
+    from glm_lightning.model.ops import matmul, moe, thresholds
+
+    monkeypatch.setattr(thresholds, "SMALL_TOKENS", 96)
+    monkeypatch.setattr(thresholds, "SMALL_ROWS", 32)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(1, tokens, 48, generator=gen)
+    w_gu, w_d = torch.randn(80, 48, generator=gen) * 0.3, torch.randn(48, 40, generator=gen) * 0.3
+    calls = []
+    real = moe._shared_small
+    monkeypatch.setattr(moe, "_shared_small", lambda *a: calls.append(real(*a)) or calls[-1])
+    with torch.no_grad():
+        y = moe.swiglu_mlp(x, w_gu, w_d)
+        assert calls == [tokens <= 96]
+        hgu = x @ w_gu.t()
+        ref = (torch.nn.functional.silu(hgu[..., :40]) * hgu[..., 40:]) @ w_d.t()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        if tokens <= 32:
+            old = matmul.linear(torch.ops.glm_lightning.swiglu(matmul.linear(x, w_gu)), w_d)
+            assert torch.equal(y, old)
+        with matmul.packed_weights({}):
+            moe.swiglu_mlp(x, w_gu, w_d)
+    moe.swiglu_mlp(x, w_gu.requires_grad_(), w_d)
+    assert calls[1:] == [False, False]
