@@ -8,7 +8,8 @@ the scheduler gave to others), the cases in turns, medians of the rounds.
 
 ``--rev COMMIT`` also runs that commit's tree (``git archive`` into a temporary folder, its own C++ library), each tree
 in its own long-lived worker process, the two taking turns case by case in alternating order, so that load changes hit
-both alike; it prints both medians, their ratio, and how far the two trees' last-position logits lie apart.
+both alike; it prints both medians, their ratio, the median and quartiles of the rounds' paired ratios (the two trees' calls of a
+round ran back to back), and how far the two trees' last-position logits lie apart.
 
     python -m benchmarks.bench_prefill [--rev HEAD~1] [--rounds 9]
 """
@@ -133,12 +134,14 @@ def main() -> None:
     print(f"\nprefill, flash-25m, CPU ms per call (median of {args.rounds} rounds), 1 thread, "
           f"{_cpu_name()}; trees: " + ", ".join(trees))
     head = f"{'case':14s}" + "".join(f"{n[:12]:>14s}" for n in trees)
-    print(head + (f"{'ratio':>10s}{'max |dlogit|':>14s}" if args.rev else ""))
+    print(head + (f"{'ratio':>8s}{'per round':>18s}{'max |dlogit|':>14s}" if args.rev else ""))
     for case in CASES:
         med = [statistics.median(cpu[n][case]) for n in trees]
         row = f"{case:14s}" + "".join(f"{1e3 * m:14.2f}" for m in med)
-        if args.rev:
-            row += f"{med[1] / med[0]:9.2f}x{gap[case]:14.2e}"
+        if args.rev:  # the other tree's time over this one's: medians, and each round's pair (quartiles)
+            pairs = sorted(o / t for t, o in zip(*(cpu[n][case] for n in trees)))
+            q = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
+            row += f"{med[1] / med[0]:7.2f}x  {q[1]:.2f}x ({q[0]:.2f}-{q[2]:.2f}){gap[case]:12.2e}"
         print(row)
 
 
