@@ -261,10 +261,10 @@ def test_small_matmul_equals_bmm_on_the_real_rows(shape):
 
 
 @needs_cext
-def test_small_matmul_lane_sums_agree_between_its_blocks():
-    """small_matmul reduces a 4-column block's 16 lane sums together (Lanes::sums16) and a leftover column's one at a
-    time (Lanes::sum); both add the lanes in the same order, so one dot product is the same bit for bit either way
-    (the decode step's linears rely on it: a row's output must not depend on where it falls)."""
+def test_small_matmul_output_does_not_depend_on_its_column():
+    """One weight row's outputs are the same bit for bit whichever output (and packed panel lane) it falls in: every
+    output sums its products in the same order (the decode step's linears rely on it: a row's output must not depend
+    on where it falls)."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(7, 64, generator=gen)
     W = torch.randn(5, 64, generator=gen)  # columns 0-3 in one block, column 4 alone

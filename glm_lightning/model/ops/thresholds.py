@@ -40,11 +40,16 @@ AVX-512, 141 with both 0 (1.83x), 109 with only this one 0, 94 with only SMALL_T
 The choice depends on the shape only. small_matmul also sums each row in the same order whatever the other rows are,
 which BLAS does not promise: with BLAS a decode row's last bits may depend on how many rows the call has."""
 
-SMALL_TOKENS = 64 if AVX512 else 0
-"""Without autograd, an MoE call with at most this many tokens (decoding a few rows) runs its experts through
-``small_matmul`` (each weight row streamed once, padding rows skipped) instead of BLAS, which repacks every expert's
-whole weight matrix per call. flash-25m's 12 MoE layers, AVX-512, 1 thread: 1.46x faster at 16 tokens, 1.12x at 64,
-1.05x at 96; on AVX2 slower (see SMALL_ROWS): 0 there. The choice depends on the shape only, never on the routing."""
+SMALL_TOKENS = 96 if AVX512 else 0
+"""Without autograd, an MoE call with at most this many tokens (decoding a few rows, a prefill of a short prompt) runs
+its experts through ``small_matmul`` (each weight row streamed once, padding rows skipped; inside a cached decode
+``panel_matmul``, the same values) instead of BLAS, which repacks every expert's whole weight matrix per call.
+flash-25m's 12 MoE layers, AVX-512, 1 thread: 1.46x faster at 16 tokens, 1.12x at 64, 1.05x at 96 (the dot-product
+small_matmul, an AMD EPYC). Since small_matmul packs its weight blocks into panels as it goes (issue 49, Intel Xeon
+with AVX-512, 12 layers' weights cycled cold, process time, medians of 9 in turns): 17.8 vs bmm 20.4 ms at 64 tokens,
+22.4 vs 27.0 at 96, 25.7 vs 26.3 at 128; this Xeon's measured op table had 96 too. On AVX2 the dot-product form was
+slower than BLAS (see SMALL_ROWS): 0 there (the panel form is not measured there yet). The choice depends on the shape
+only, never on the routing."""
 
 SEGMENT_TOKENS = 2048
 SEGMENT_PADDING = 1.25
