@@ -77,7 +77,7 @@ class HyperConnection(nn.Module):
         on: then the read's backward adds the write's gradient of x to its own in one pass, ops.site_read)."""
         if self.n == 1:
             return x[..., 0, :], None
-        h, post, res, xw = ops.site_read(x, *self._params(), streams_out=True)
+        h, post, res, xw = ops.site_read(x, *self._params(), streams_out=True, link=True)
         return h, (post, res, xw)
 
     def write(self, x: torch.Tensor, maps: tuple[torch.Tensor, ...] | None, y: torch.Tensor) -> torch.Tensor:
