@@ -207,12 +207,13 @@ struct Segment {
 
 // Tokens t0 .. t0 + len - 1 from ckpt = S_{t0-1}: S'_t = Diag(a_t) S_{t-1}, e_t = v_t - S'_t^T k_t, S_t = S'_t + k_t
 // (beta_t e_t)^T, in the forward's order of operations.
-// The walk also prefetches the rows of k, v, g, beta kAhead tokens on, and the segment's own q and dO rows, which the
-// walk back reads next (qs, dos: the backward's).
+// The walk also prefetches the rows of k, v, g, beta kAhead tokens on, the segment's own q and dO rows, which the
+// walk back reads next (qs, dos: the backward's), and the first kAhead tokens' rows of the segment before (seg tokens
+// long), which is recomputed next.
 template <typename T, int K, int V>
 void recompute(Segment<T, K, V>& sg, const T* ckpt, int64_t t0, int64_t len, const Tokens<T>& ks,
                const Tokens<T>& vs, const Tokens<T>& gs, const Tokens<T>& bs, const Tokens<T>& qs,
-               const Tokens<T>& dos) {
+               const Tokens<T>& dos, int64_t seg) {
   using H = Head<T, K, V>;
   using L = typename H::L;
   using Vec = typename H::Vec;
@@ -236,6 +237,11 @@ void recompute(Segment<T, K, V>& sg, const T* ckpt, int64_t t0, int64_t len, con
       __builtin_prefetch(bs.at(f));
     }
     prefetch_row(qs.at(t), K), prefetch_row(dos.at(t), V);
+    if (i < kAhead && t0 >= seg) {  // the first rows of the segment recomputed next (the one before)
+      const int64_t f = t - seg;
+      prefetch_row(ks.at(f), K), prefetch_row(vs.at(f), V), prefetch_row(gs.at(f), K);
+      __builtin_prefetch(bs.at(f));
+    }
     Vec u[NV];
     const T bt = *bs.at(t);
     T* ei = sg.e_at(i);
@@ -379,10 +385,17 @@ void backward_impl(const at::Tensor& dO, const at::Tensor& dS_last, const at::Te
       };
       for (int64_t n = N - 1; n >= 0; --n) {
         const int64_t t0 = n * seg, len = std::min(T_, t0 + seg) - t0;
-        recompute<T, K, V>(sg, ck + (m * (N + 1) + n) * K * V, t0, len, ks, vs, gs, bs, qs, dos);
+        recompute<T, K, V>(sg, ck + (m * (N + 1) + n) * K * V, t0, len, ks, vs, gs, bs, qs, dos, seg);
         TokenGrads<T, K, V> late;
         for (int64_t i = len; i >= 0; --i) {  // token t0 + i's second half with token t0 + i - 1's first half
           const int64_t t = t0 + i, s = t - 1;
+          if (s - kAhead >= t0) {  // the output rows written kAhead tokens on (the walk goes back), for writing
+            const int64_t f = s - kAhead;
+            __builtin_prefetch(dqp + row(f) * K, 1), __builtin_prefetch(dqp + row(f) * K + K - 1, 1);
+            __builtin_prefetch(dkp + row(f) * K, 1), __builtin_prefetch(dkp + row(f) * K + K - 1, 1);
+            __builtin_prefetch(dgp + row(f) * K, 1), __builtin_prefetch(dgp + row(f) * K + K - 1, 1);
+            __builtin_prefetch(dvp + row(f) * V, 1), __builtin_prefetch(dvp + row(f) * V + V - 1, 1);
+          }
           Vec du[P][NV], dov[NV];
           H::zero(du);
           if (i > 0)
