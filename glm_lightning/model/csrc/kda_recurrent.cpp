@@ -171,6 +171,7 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           const int64_t f = t + kAhead;
           prefetch_row(qs.at(f), K), prefetch_row(ks.at(f), K), prefetch_row(vs.at(f), V), prefetch_row(gs.at(f), K);
           __builtin_prefetch(bs.at(f));
+          __builtin_prefetch(os.at(f), 1), __builtin_prefetch(os.at(f) + V - 1, 1);  // the output row, for writing
         }
         Vec u[NV];
         const T bt = *bs.at(t);
