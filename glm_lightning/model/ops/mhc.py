@@ -4,7 +4,10 @@
 Why C++ (csrc/sinkhorn.cpp, streams.cpp, site_read.cpp): as eager PyTorch a site's Sinkhorn issues ~270 dispatched ops
 (20 iterations), its stream read/write ~70; as C++ ops each is one op forward and one backward. The site read does the
 norm, the projection, the gates and the read in one pass over the streams (counted in the eager code, they were read ~3
-times forward and ~10 times backward).
+times forward and ~10 times backward). In training the site's write is linked to its read (:class:`StreamsLink`): the
+write's backward makes only d H_post and d y, and the read's backward forms the write's gradients of H_res and of the
+streams from the write's output gradient in its own pass (a site's backward 1.12x, bit for bit the same gradients:
+``python -m benchmarks.bench_mhc_ops --linked``).
 
 Kept PyTorch twin with a hand-written backward: :class:`_Sinkhorn` (what runs beside the site read for more streams
 than the C++ ops take, or without them; autograd over the iterations stores every intermediate and issued ~8 ops per
