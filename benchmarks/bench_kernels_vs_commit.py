@@ -47,7 +47,10 @@ def build_old(rev: str, source: str, out_dir: Path) -> Any:
 
 
 def kda_calls(lib: Any) -> dict[str, Callable[[], Any]]:
-    """The KDA recurrence's forward and backward on a flash-25m layer's inputs (unit-norm keys, safe-range gates)."""
+    """The KDA recurrence's forward and backward on a flash-25m layer's inputs (unit-norm keys, safe-range gates):
+    contiguous, and as a training step lays them out ("step": q, k halves of one [B, T, 2H, K] tensor, v a slice of
+    the short conv's [B, T, 3H, K] output, so a (row, head)'s tokens are 1,536 and 2,304 bytes apart); the step layout
+    cycles over 4 input sets (~60 MB), so that its rows come from memory more than from the last call's cache."""
     B, T, H, K = 32, 128, 6, 32
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(B, T, H, K, generator=gen) * K ** -0.5
@@ -58,8 +61,29 @@ def kda_calls(lib: Any) -> dict[str, Callable[[], Any]]:
     s0 = 0.1 * torch.randn(B, H, K, K, generator=gen)
     dO, dS = torch.randn(B, T, H, K, generator=gen), torch.randn(B, H, K, K, generator=gen)
     ck = lib.kda_recurrent_fwd(q, k, v, g, beta, s0, 32)[1]
+    steps = []
+    for _ in range(4):
+        qk = torch.randn(B, T, 2 * H, K, generator=gen)
+        sq, sk = qk.split(H, dim=2)
+        sq.mul_(K ** -0.5)
+        sk.copy_(F.normalize(sk, dim=-1))
+        sv = torch.randn(B, T, 3 * H, K, generator=gen)[:, :, 2 * H:]
+        sg = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, generator=gen))
+        sb = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+        sdo = torch.randn(B, T, H, K, generator=gen)
+        steps.append((sq, sk, sv, sg, sb, sdo, lib.kda_recurrent_fwd(sq, sk, sv, sg, sb, s0, 32)[1]))
+    turn = {"fwd": 0, "bwd": 0}
+
+    def step(kind: str) -> Any:
+        sq, sk, sv, sg, sb, sdo, sck = steps[turn[kind] % len(steps)]
+        turn[kind] += 1
+        if kind == "fwd":
+            return lib.kda_recurrent_fwd(sq, sk, sv, sg, sb, s0, 32)
+        return lib.kda_recurrent_bwd(sdo, dS, sq, sk, sv, sg, sb, sck, 32)
+
     return {"kda_recurrent fwd": lambda: lib.kda_recurrent_fwd(q, k, v, g, beta, s0, 32),
-            "kda_recurrent bwd": lambda: lib.kda_recurrent_bwd(dO, dS, q, k, v, g, beta, ck, 32)}
+            "kda_recurrent bwd": lambda: lib.kda_recurrent_bwd(dO, dS, q, k, v, g, beta, ck, 32),
+            "kda fwd (step)": lambda: step("fwd"), "kda bwd (step)": lambda: step("bwd")}
 
 
 def conv_calls(lib: Any) -> dict[str, Callable[[], Any]]:

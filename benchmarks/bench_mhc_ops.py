@@ -3,6 +3,7 @@ flash-25m's shape (streams [32 * 128, 4, 192] fp32), then whole flash-25m traini
 site read / stream write kernels and data flow patched in, taking turns with this tree's.
 
     python -m benchmarks.bench_mhc_ops [--base db119f5] [--rounds 12] [--steps 3]
+    python -m benchmarks.bench_mhc_ops --linked [--rounds 12] [--steps 3]   # linked site writes against unlinked
 
 The base's csrc/site_read.cpp, streams.cpp and sinkhorn.cpp are compiled once (cached beside the C++ library, ~2 min)
 under the op namespace ``glm_base``, so both forms load side by side. The op inputs cycle over 6 copies (~270 MB), so
@@ -63,13 +64,14 @@ def load_base(rev: str) -> None:
     torch.ops.load_library(str(out))
 
 
-def op_inputs(gen: torch.Generator, N: int = 4096, n: int = 4, C: int = 192) -> dict[str, torch.Tensor]:
+def op_inputs(gen: torch.Generator, N: int = 4096, n: int = 4, C: int = 192, ns: object = None
+              ) -> dict[str, torch.Tensor]:
     """The site read's and stream write's arguments and output gradients at one site of flash-25m."""
     L = n * n + 2 * n
     x, phi = torch.randn(N, n, C, generator=gen), torch.randn(L, n * C, generator=gen) * 0.02
     d = dict(x=x, phi=phi, alpha_e=torch.full((L,), 0.01), bias=torch.randn(L, generator=gen),
              scale=torch.tensor([1.0] * n + [2.0] * n), shift=torch.tensor([1e-6] * n + [0.0] * n))
-    h, gates, _, d["inv"], d["raw"], d["sig"] = torch.ops.glm_base.site_read(
+    h, gates, _, d["inv"], d["raw"], d["sig"] = (ns or torch.ops.glm_base).site_read(
         x, phi, d["alpha_e"], d["bias"], d["scale"], d["shift"], 1e-5)
     d.update(gates=gates, post=gates[:, n:], res=torch.softmax(torch.randn(N, n, n, generator=gen), -1),
              y=torch.randn(N, C, generator=gen), g=torch.randn(N, n, C, generator=gen),
@@ -114,6 +116,9 @@ def base_step_patches(stack: ExitStack) -> None:
     gradients of the streams)."""
     from glm_lightning.model.mhc import HyperConnection
 
+    from glm_lightning.model.ops import mhc as mhc_ops
+
+    stack.enter_context(mock.patch.object(mhc_ops, "LINK_WRITES", False))  # the base had no linked write
     for name in PATCHED:
         op = getattr(torch.ops.glm_base, name)
         if name == "site_read_backward":  # the base op has no dx_acc (None here: the write takes x itself)
@@ -146,16 +151,78 @@ def compare_steps(rounds: int, steps: int) -> None:
           f"{b / t:.3f}x")
 
 
+def compare_linked_ops(rounds: int) -> None:
+    """A site's backward as the unlinked ops (Sinkhorn backward, the write's full backward, the read's with dx_acc)
+    against the linked ones (the write's d H_post / d y only, the read's forming the rest), alternated."""
+    ns = torch.ops.glm_lightning
+    sets = [op_inputs(torch.Generator().manual_seed(i), ns=ns) for i in range(6)]
+    for d in sets:
+        d["soft"] = torch.softmax(torch.randn(d["res"].shape), -1)
+
+    def unlinked(d: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        dres, gx, dpost, dy = ns.stream_write_backward(d["g"], d["res"], d["x"], d["post"], d["y"])
+        dlog = ns.sinkhorn_backward(dres, d["soft"], 20, 1e-6)
+        return (*ns.site_read_backward(d["dh"], dpost, dlog, d["x"], d["phi"], d["alpha_e"], d["scale"], d["inv"],
+                                       d["raw"], d["sig"], d["gates"], gx), dy)
+
+    def linked(d: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        dpost, dy = ns.stream_write_backward_linked(d["g"], d["post"], d["y"])
+        return (*ns.site_read_backward_linked(d["dh"], dpost, None, d["g"], d["res"], d["soft"], 20, 1e-6, d["x"],
+                                              d["phi"], d["alpha_e"], d["scale"], d["inv"], d["raw"], d["sig"],
+                                              d["gates"]), dy)
+
+    forms = {"unlinked": unlinked, "linked": linked}
+    ms: dict[str, list[float]] = {f: [] for f in forms}
+    for r in range(rounds):
+        for form, fn in forms.items():
+            t = time.process_time()
+            fn(sets[r % len(sets)])
+            ms[form].append((time.process_time() - t) * 1e3)
+    same = all(torch.equal(a, b) for a, b in zip(unlinked(sets[0]), linked(sets[0])))
+    u, k = (statistics.median(v) for v in ms.values())
+    print(f"a site's backward (write + Sinkhorn + read), ms per site (median of {rounds}): unlinked {u:.2f}, linked "
+          f"{k:.2f}, {u / k:.2f}x, {'bit for bit' if same else 'values differ'}")
+
+
+def compare_linked_steps(rounds: int, steps: int) -> None:
+    """Whole flash-25m training steps with the sites' writes linked and not, taking turns."""
+    from benchmarks.profile_step import build, make_optimizer, train_step
+    from glm_lightning.model.ops import mhc as mhc_ops
+
+    model, batch, seq = build("flash-25m")
+    opt = make_optimizer(model)
+    ids = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(rounds):
+        for form in times:
+            with mock.patch.object(mhc_ops, "LINK_WRITES", form):
+                train_step(model, opt, ids)  # untimed after a switch
+                for _ in range(steps):
+                    t = time.process_time()
+                    train_step(model, opt, ids)
+                    times[form].append(time.process_time() - t)
+    u, k = (statistics.median(v) for v in times.values())
+    print(f"flash-25m training step 32 x 128, CPU s (median of {rounds} x {steps}): unlinked {u:.3f}, linked {k:.3f}, "
+          f"{u / k:.3f}x; per round: " + " ".join(f"{a / b:.3f}" for a, b in zip(times[False], times[True])))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--base", default=BASE_REV, help="git revision of the base kernels")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=3, help="timed training steps per turn (0: ops only)")
+    p.add_argument("--linked", action="store_true", help="this tree's linked site writes against unlinked instead")
     args = p.parse_args()
     torch.set_num_threads(1)
     keep_freed_memory()
     if not cext.available():
         raise SystemExit("the C++ ops are not available (GLM_LIGHTNING_EXT=0 or no compiler)")
+    if args.linked:
+        print(f"{cext._cpu_model().split(':')[-1].strip()}, {torch.get_num_threads()} thread")
+        compare_linked_ops(args.rounds)
+        if args.steps:
+            compare_linked_steps(max(2, args.rounds // 4), args.steps)
+        return
     load_base(args.base)
     print(f"{cext._cpu_model().split(':')[-1].strip()}, {torch.get_num_threads()} thread, base {args.base}")
     compare_ops(args.rounds)

@@ -2,6 +2,8 @@
 forward and gradients within 1e-5 in fp32, gradcheck in fp64, and a whole training step of the model with and without
 them."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -180,7 +182,8 @@ def test_the_write_gradient_of_the_streams_joins_the_read_backward_bit_for_bit(n
 
     def grads(write_takes_the_passed_x: bool) -> tuple[torch.Tensor, ...]:
         xs = x.clone().requires_grad_()
-        h, (post, res, xw) = site.read(xs)
+        with mock.patch.object(mhc_ops, "LINK_WRITES", False):
+            h, (post, res, xw) = site.read(xs)
         assert xw is not xs and torch.equal(xw, xs)
         out = mhc_ops.stream_write(res, xw if write_takes_the_passed_x else xs, post, torch.tanh(h))
         return torch.autograd.grad((out * w).sum(), [xs, site.phi, site.alpha, site.bias])
@@ -193,6 +196,56 @@ def test_the_write_gradient_of_the_streams_joins_the_read_backward_bit_for_bit(n
     h, (post, res, _) = site.read(xs)
     unused = 0 * (post.sum() + res.sum())
     assert torch.equal(h_only, torch.autograd.grad((h * w[..., 0, :]).sum() + unused, xs)[0])
+
+
+@pytest.mark.parametrize("n,dim", [(2, 6), (3, 40), (4, 192)])
+def test_the_linked_write_gives_the_unlinked_gradients_bit_for_bit(n, dim):
+    """A linked site (StreamsLink: the write's backward passes its output gradient on, the read's backward forms the
+    write's gradients of H_res and of the streams) gives exactly the unlinked site's gradients: alone, with other
+    consumers of H_res and H_post, with the link left unused (the write taking x itself), and with no gradient
+    reaching the write; 2 x 41 tokens: two chunks of the linked backward and partial blocks of 8 and 16."""
+    from glm_lightning.model.mhc import HyperConnection
+
+    torch.manual_seed(10 + n)
+    site = HyperConnection(n=n, dim=dim, iters=5, site_index=1)
+    with torch.no_grad():
+        site.alpha.normal_(0.0, 1.0)
+        site.bias.normal_(0.0, 1.0)
+    x, w = torch.randn(2, 41, n, dim), torch.randn(2, 41, n, dim)
+    wr, wp = torch.randn(2, 41, n, n), torch.randn(2, 41, n)
+    params = [site.phi, site.alpha, site.bias]
+
+    def grads(linked: bool, case: str) -> tuple[torch.Tensor, ...]:
+        xs = x.clone().requires_grad_()
+        with mock.patch.object(mhc_ops, "LINK_WRITES", linked):
+            h, (post, res, xw) = site.read(xs)
+        assert isinstance(xw, mhc_ops.StreamsLink) == linked
+        out = mhc_ops.stream_write(res, xs if case == "unused link" else xw, post, torch.tanh(h))
+        loss = (out * w).sum()
+        if case == "other consumers":
+            loss = loss + (res * wr).sum() + (post * wp).sum()
+        if case == "no write gradient":
+            loss = (h * w[..., 0, :]).sum() + (res * wr).sum()
+        return torch.autograd.grad(loss, [xs, *params])
+
+    for case in ("alone", "other consumers", "unused link", "no write gradient"):
+        for name, a, b in zip(["x", "phi", "alpha", "bias"], grads(True, case), grads(False, case)):
+            assert torch.equal(a, b), (case, name)
+    h, (post, res, link) = site.read(x.clone().requires_grad_())
+    mhc_ops.stream_write(res, link, post, h)
+    with pytest.raises(RuntimeError, match="one write"):
+        mhc_ops.stream_write(res, link, post, h)
+
+
+def test_stream_write_backward_linked_equals_the_full_backward_bit_for_bit():
+    """The linked write's backward op (d H_post, d y only) gives the full backward's values bit for bit, 4 streams and
+    3 (its run-time count), a width with a partial vector."""
+    for n, C in ((4, 192), (3, 37)):
+        g, res, x, post, y = (torch.randn(50, n, C), torch.randn(50, n, n), torch.randn(50, n, C), torch.randn(50, n),
+                              torch.randn(50, C))
+        _, _, dpost, dy = torch.ops.glm_lightning.stream_write_backward(g, res, x, post, y)
+        dpost_l, dy_l = torch.ops.glm_lightning.stream_write_backward_linked(g, post, y)
+        assert torch.equal(dpost, dpost_l) and torch.equal(dy, dy_l)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

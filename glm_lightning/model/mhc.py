@@ -74,10 +74,11 @@ class HyperConnection(nn.Module):
 
     def read(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """The sub-layer input H_pre x [B,T,C] and the (H_post, H_res, x) that `write` needs (x as the read passes it
-        on: then the read's backward adds the write's gradient of x to its own in one pass, ops.site_read)."""
+        on: in training with the C++ ops an ops.mhc.StreamsLink, through which the write hands its output gradient to
+        the read's backward, which forms the write's gradients of H_res and x in its own pass; ops.site_read)."""
         if self.n == 1:
             return x[..., 0, :], None
-        h, post, res, xw = ops.site_read(x, *self._params(), streams_out=True)
+        h, post, res, xw = ops.site_read(x, *self._params(), streams_out=True, link=True)
         return h, (post, res, xw)
 
     def write(self, x: torch.Tensor, maps: tuple[torch.Tensor, ...] | None, y: torch.Tensor) -> torch.Tensor:

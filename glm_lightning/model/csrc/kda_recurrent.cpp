@@ -85,6 +85,17 @@ struct Head {
   }
 };
 
+// Tokens ahead whose input rows a walk asks the cache for (software prefetch). A (row, head)'s tokens lie H K or 3 H K
+// floats apart in the step's tensors (v is a slice of the short conv's [B, T, 3 H K] output: 2,304 bytes at
+// flash-25m), a stride the hardware prefetchers do not follow (csrc/short_conv.cpp met the same).
+constexpr int64_t kAhead = 8;
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t len) {
+  for (int64_t k = 0; k < len; k += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(p + k);
+  __builtin_prefetch(p + len - 1);  // a row that straddles a line boundary
+}
+
 template <typename T, int K>
 inline void decays(T* a, const T* g) {
   for (int d = 0; d < K; ++d) a[d] = exp_(g[d]);
@@ -156,6 +167,12 @@ void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         }
       int64_t ckpt_in = seg;  // tokens until the next checkpoint (no division per token)
       for (int64_t t = 0; t < T_; ++t) {
+        if (t + kAhead < T_) {
+          const int64_t f = t + kAhead;
+          prefetch_row(qs.at(f), K), prefetch_row(ks.at(f), K), prefetch_row(vs.at(f), V), prefetch_row(gs.at(f), K);
+          __builtin_prefetch(bs.at(f));
+          __builtin_prefetch(os.at(f), 1), __builtin_prefetch(os.at(f) + V - 1, 1);  // the output row, for writing
+        }
         Vec u[NV];
         const T bt = *bs.at(t);
         for (int j = 0; j < NV; ++j) u[j] = bt * (L::load(vs.at(t) + j * kLanes) - H::total(acc, j));
@@ -191,9 +208,13 @@ struct Segment {
 
 // Tokens t0 .. t0 + len - 1 from ckpt = S_{t0-1}: S'_t = Diag(a_t) S_{t-1}, e_t = v_t - S'_t^T k_t, S_t = S'_t + k_t
 // (beta_t e_t)^T, in the forward's order of operations.
+// The walk also prefetches the rows of k, v, g, beta kAhead tokens on, the segment's own q and dO rows, which the
+// walk back reads next (qs, dos: the backward's), and the first kAhead tokens' rows of the segment before (seg tokens
+// long), which is recomputed next.
 template <typename T, int K, int V>
 void recompute(Segment<T, K, V>& sg, const T* ckpt, int64_t t0, int64_t len, const Tokens<T>& ks,
-               const Tokens<T>& vs, const Tokens<T>& gs, const Tokens<T>& bs) {
+               const Tokens<T>& vs, const Tokens<T>& gs, const Tokens<T>& bs, const Tokens<T>& qs,
+               const Tokens<T>& dos, int64_t seg) {
   using H = Head<T, K, V>;
   using L = typename H::L;
   using Vec = typename H::Vec;
@@ -211,6 +232,17 @@ void recompute(Segment<T, K, V>& sg, const T* ckpt, int64_t t0, int64_t len, con
     }
   for (int64_t i = 0; i < len; ++i) {
     const int64_t t = t0 + i;
+    if (i + kAhead < len) {
+      const int64_t f = t + kAhead;
+      prefetch_row(ks.at(f), K), prefetch_row(vs.at(f), V), prefetch_row(gs.at(f), K);
+      __builtin_prefetch(bs.at(f));
+    }
+    prefetch_row(qs.at(t), K), prefetch_row(dos.at(t), V);
+    if (i < kAhead && t0 >= seg) {  // the first rows of the segment recomputed next (the one before)
+      const int64_t f = t - seg;
+      prefetch_row(ks.at(f), K), prefetch_row(vs.at(f), V), prefetch_row(gs.at(f), K);
+      __builtin_prefetch(bs.at(f));
+    }
     Vec u[NV];
     const T bt = *bs.at(t);
     T* ei = sg.e_at(i);
@@ -354,10 +386,17 @@ void backward_impl(const at::Tensor& dO, const at::Tensor& dS_last, const at::Te
       };
       for (int64_t n = N - 1; n >= 0; --n) {
         const int64_t t0 = n * seg, len = std::min(T_, t0 + seg) - t0;
-        recompute<T, K, V>(sg, ck + (m * (N + 1) + n) * K * V, t0, len, ks, vs, gs, bs);
+        recompute<T, K, V>(sg, ck + (m * (N + 1) + n) * K * V, t0, len, ks, vs, gs, bs, qs, dos, seg);
         TokenGrads<T, K, V> late;
         for (int64_t i = len; i >= 0; --i) {  // token t0 + i's second half with token t0 + i - 1's first half
           const int64_t t = t0 + i, s = t - 1;
+          if (s - kAhead >= t0) {  // the output rows written kAhead tokens on (the walk goes back), for writing
+            const int64_t f = s - kAhead;
+            __builtin_prefetch(dqp + row(f) * K, 1), __builtin_prefetch(dqp + row(f) * K + K - 1, 1);
+            __builtin_prefetch(dkp + row(f) * K, 1), __builtin_prefetch(dkp + row(f) * K + K - 1, 1);
+            __builtin_prefetch(dgp + row(f) * K, 1), __builtin_prefetch(dgp + row(f) * K + K - 1, 1);
+            __builtin_prefetch(dvp + row(f) * V, 1), __builtin_prefetch(dvp + row(f) * V + V - 1, 1);
+          }
           Vec du[P][NV], dov[NV];
           H::zero(du);
           if (i > 0)

@@ -207,6 +207,33 @@ void sinkhorn_forward(const T* x, int64_t ts, int64_t N, int64_t n, int64_t iter
 template void sinkhorn_forward<float>(const float*, int64_t, int64_t, int64_t, int64_t, float, float*, float*);
 template void sinkhorn_forward<double>(const double*, int64_t, int64_t, int64_t, int64_t, double, double*, double*);
 
+template <typename T>
+void sinkhorn_backward_tokens(const T* gy, int64_t gs, const T* sm, int64_t ss, int64_t N, int64_t n, int64_t iters,
+                              T e, T* gx) {
+  with_streams(n, [&]<int NN>() {
+    at::parallel_for(0, (N + W - 1) / W, 16, [&](int64_t begin, int64_t end) {
+      T m[NN * NN][W], sf[NN * NN][W], g[NN * NN][W];
+      std::vector<T> dens((2 * iters - 1) * NN * W);
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t t0 = blk * W, nt = std::min(W, N - t0);
+        load<NN>(sm + t0 * ss, ss, nt, T(1) / NN, sf);
+        plus_eps<NN>(sf, m, e);
+        iterate<NN>(iters, e, m, dens.data());
+        load<NN>(gy + t0 * gs, gs, nt, T(0), g);
+        walk_back<NN>(iters, g, m, dens.data());
+        load<NN>(sm + t0 * ss, ss, nt, T(1) / NN, sf);  // again: not held in registers through the walk
+        softmax_backward<NN>(g, m, sf);
+        store<NN>(g, nt, gx + t0 * NN * NN);
+      }
+    });
+  });
+}
+
+template void sinkhorn_backward_tokens<float>(const float*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t,
+                                              float, float*);
+template void sinkhorn_backward_tokens<double>(const double*, int64_t, const double*, int64_t, int64_t, int64_t,
+                                               int64_t, double, double*);
+
 }  // namespace glm_lightning_ops
 
 namespace {
@@ -234,26 +261,8 @@ at::Tensor sinkhorn_backward(const at::Tensor& grad_in, const at::Tensor& soft_i
   TORCH_CHECK(grad.scalar_type() == soft.scalar_type(), "grad and softmax dtypes differ");
   at::Tensor out = at::empty({N, n, n}, soft.options());
   AT_DISPATCH_FLOATING_TYPES(soft.scalar_type(), "sinkhorn_backward", [&] {
-    const scalar_t *sm = soft.data_ptr<scalar_t>(), *gy = grad.data_ptr<scalar_t>();
-    scalar_t* gx = out.data_ptr<scalar_t>();
-    const scalar_t e = static_cast<scalar_t>(eps);
-    with_streams(n, [&]<int NN>() {
-      at::parallel_for(0, (N + W - 1) / W, 16, [&](int64_t begin, int64_t end) {
-        scalar_t m[NN * NN][W], sf[NN * NN][W], g[NN * NN][W];
-        std::vector<scalar_t> dens((2 * iters - 1) * NN * W);
-        for (int64_t blk = begin; blk < end; ++blk) {
-          const int64_t t0 = blk * W, nt = std::min(W, N - t0);
-          load<NN>(sm + t0 * ss, ss, nt, scalar_t(1) / NN, sf);
-          plus_eps<NN>(sf, m, e);
-          iterate<NN>(iters, e, m, dens.data());
-          load<NN>(gy + t0 * gs, gs, nt, scalar_t(0), g);
-          walk_back<NN>(iters, g, m, dens.data());
-          load<NN>(sm + t0 * ss, ss, nt, scalar_t(1) / NN, sf);  // again: not held in registers through the walk
-          softmax_backward<NN>(g, m, sf);
-          store<NN>(g, nt, gx + t0 * NN * NN);
-        }
-      });
-    });
+    glm_lightning_ops::sinkhorn_backward_tokens(grad.data_ptr<scalar_t>(), gs, soft.data_ptr<scalar_t>(), ss, N, n,
+                                                iters, static_cast<scalar_t>(eps), out.data_ptr<scalar_t>());
   });
   return out;
 }

@@ -39,6 +39,7 @@ namespace {
 constexpr int64_t kSiteBlock = 8;  // tokens per block (TB)
 using glm_lightning_ops::kLanes;
 using glm_lightning_ops::Lanes;
+using glm_lightning_ops::kMaxStreams;
 
 // sum_c a[c] b[c] as kLanes partial sums
 template <typename T>
@@ -265,82 +266,249 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_read_decode(
   return {h, post, res};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
-    const at::Tensor& dh_in, const at::Tensor& dpost_in, const at::Tensor& dres_in, const at::Tensor& x,
-    const at::Tensor& phi, const at::Tensor& alpha_e_in, const at::Tensor& scale_in, const at::Tensor& inv,
-    const at::Tensor& raw, const at::Tensor& sig, const at::Tensor& gates, const std::optional<at::Tensor>& acc_in) {
-  check_site(x, phi);
-  const int64_t N = x.size(0), n = x.size(1), C = x.size(2), nC = n * C, L = n * n + 2 * n;
-  const auto dt = x.scalar_type();
-  const at::Tensor dh = dh_in.to(dt).contiguous(), dpost = dpost_in.to(dt).contiguous(),
-                   dres = dres_in.to(dt).contiguous(), alpha_e = alpha_e_in.to(dt).contiguous(),
-                   scale = scale_in.to(dt).contiguous();
-  TORCH_CHECK(dh.numel() == N * C && dpost.numel() == N * n && dres.numel() == N * n * n, "gradient shapes");
-  TORCH_CHECK(inv.numel() == N && raw.numel() == N * L && sig.numel() == N * 2 * n && gates.numel() == N * 2 * n &&
-                  inv.is_contiguous() && raw.is_contiguous() && sig.is_contiguous() && gates.is_contiguous(),
-              "saved tensors of site_read");
-  const at::Tensor acc = acc_in.has_value() ? acc_in->to(dt).contiguous() : at::Tensor();
-  TORCH_CHECK(!acc.defined() || acc.numel() == N * nC, "dx_acc must be shaped as x");
-  const int threads = at::get_num_threads();
-  at::Tensor dx = at::empty({N, n, C}, x.options());
-  at::Tensor dphi_t = at::zeros({threads, L, nC}, x.options()), dsum_t = at::zeros({threads, 2, L}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(dt, "site_read_backward", [&] {
-    using T = scalar_t;
-    const T *xp = x.data_ptr<T>(), *pp = phi.data_ptr<T>(), *ap = alpha_e.data_ptr<T>(), *sc = scale.data_ptr<T>(),
-            *ip = inv.data_ptr<T>(), *rawp = raw.data_ptr<T>(), *sp = sig.data_ptr<T>(), *gp = gates.data_ptr<T>(),
-            *dhp = dh.data_ptr<T>(), *dpp = dpost.data_ptr<T>(), *drp = dres.data_ptr<T>();
-    const T* accp = acc.defined() ? acc.data_ptr<T>() : nullptr;
-    T *dxp = dx.data_ptr<T>(), *dphi_all = dphi_t.data_ptr<T>(), *dsum_all = dsum_t.data_ptr<T>();
-    at::parallel_for(0, (N + kSiteBlock - 1) / kSiteBlock, 1, [&](int64_t b0, int64_t b1) {
-      const int tid = at::get_thread_num();
-      T* dphi = dphi_all + tid * L * nC;
-      T* dbias = dsum_all + tid * 2 * L;
-      T* dalpha = dbias + L;
-      T draw[kSiteBlock * 64];  // [TB, L], L <= 64 (n <= 7)
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t t0 = blk * kSiteBlock, t1 = std::min(N, t0 + kSiteBlock), nt = t1 - t0;
+// The linked write's part of the backward for one token (with g [n, C] the write's output gradient): gres = g x^T
+// into gr [n, n]. The same sums in the same order as the stream write's backward (csrc/streams.cpp,
+// write_backward_token): kLanes partial sums per entry, reduced kLanes entries at a time (Lanes::sums16) when n^2 is
+// a multiple of kLanes, else one Lanes::sum each, then the channels past the last full vector.
+template <typename T, int NS>
+inline void write_res_grad(const T* __restrict g, const T* __restrict x, T* __restrict gr, int64_t n_rt, int64_t C) {
+  using L = Lanes<T>;
+  using Vec = typename L::Vec;
+  constexpr int kMax = NS > 0 ? NS : kMaxStreams;
+  const int64_t n = NS > 0 ? NS : n_rt;
+  Vec s[kMax * kMax] = {}, gv[kMax];
+  int64_t c = 0;
+  for (; c + kLanes <= C; c += kLanes) {
+    for (int64_t i = 0; i < n; ++i) gv[i] = L::load(g + i * C + c);
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec xv = L::load(x + j * C + c);
+      for (int64_t i = 0; i < n; ++i) s[i * n + j] += gv[i] * xv;
+    }
+  }
+  if constexpr (NS > 0 && NS * NS % kLanes == 0) {
+    for (int k = 0; k < NS * NS; k += kLanes) L::store(gr + k, L::sums16(s + k));
+  } else {
+    for (int64_t k = 0; k < n * n; ++k) gr[k] = L::sum(s[k]);
+  }
+  for (; c < C; ++c)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j) gr[i * n + j] += g[i * C + c] * x[j * C + c];
+}
+
+// dx [n, C] += res^T g for one token: the linked write's gradient of the streams (gx_j = sum_i res_ij g_i, summed as
+// write_backward_token sums it), added where the unlinked form added the write's gx (dx_acc).
+template <typename T, int NS>
+inline void add_write_streams_grad(const T* __restrict g, const T* __restrict r, T* __restrict dx, int64_t n_rt,
+                                   int64_t C) {
+  using L = Lanes<T>;
+  using Vec = typename L::Vec;
+  constexpr int kMax = NS > 0 ? NS : kMaxStreams;
+  const int64_t n = NS > 0 ? NS : n_rt;
+  Vec gv[kMax];
+  int64_t c = 0;
+  for (; c + kLanes <= C; c += kLanes) {
+    for (int64_t i = 0; i < n; ++i) gv[i] = L::load(g + i * C + c);
+    for (int64_t j = 0; j < n; ++j) {
+      Vec a = {};
+      for (int64_t i = 0; i < n; ++i) a += r[i * n + j] * gv[i];
+      L::store(dx + j * C + c, L::load(dx + j * C + c) + a);
+    }
+  }
+  for (; c < C; ++c)
+    for (int64_t j = 0; j < n; ++j) {
+      T a = 0;
+      for (int64_t i = 0; i < n; ++i) a += r[i * n + j] * g[i * C + c];
+      dx[j * C + c] += a;
+    }
+}
+
+// Calls fn.template operator()<NS>() with NS = n for 2 and 4 streams, else NS = 0 (n at run time).
+template <typename F>
+void with_stream_count_sr(int64_t n, F&& fn) {
+  if (n == 4) return fn.template operator()<4>();
+  if (n == 2) return fn.template operator()<2>();
+  return fn.template operator()<0>();
+}
+
+constexpr int64_t kSiteChunk = 64;  // tokens per chunk of the linked backward: their g and x stay in L2 between passes
+
+// The inputs of the site read's backward as pointers. Unlinked: dres is the gradient of the Sinkhorn logits and acc
+// (may be null) the write's gradient of the streams. Linked (g not null): g is the write's output gradient; the
+// write's gradient of H_res (g x^T, plus dres_h, the other consumers' gradient of H_res, when not null) goes through
+// the Sinkhorn backward here, chunk by chunk, and res^T g joins dx in the pass that adds acc in the unlinked form.
+template <typename T>
+struct SiteGrads {
+  const T *x, *phi, *alpha_e, *scale, *inv, *raw, *sig, *gates, *dh, *dpost;
+  const T* dres;                // unlinked: dL/d(res logits) [N, n, n]
+  const T* acc;                 // unlinked: the streams' other gradient [N, n, C], or null
+  const T *g, *dres_h, *res, *soft;  // linked: the write's output gradient [N, n, C] ...
+  int64_t iters;
+  T eps;
+};
+
+template <typename T, int NS>
+void backward_core(const SiteGrads<T>& a, int64_t N, int64_t n, int64_t C, T* dxp, T* dphi_all, T* dsum_all) {
+  const int64_t nC = n * C, L = n * n + 2 * n, nn = n * n;
+  const bool linked = a.g != nullptr;
+  at::parallel_for(0, (N + kSiteChunk - 1) / kSiteChunk, 1, [&](int64_t c0, int64_t c1) {
+    const int tid = at::get_thread_num();
+    T* dphi = dphi_all + tid * L * nC;
+    T* dbias = dsum_all + tid * 2 * L;
+    T* dalpha = dbias + L;
+    T draw[kSiteBlock * 64];  // [TB, L], L <= 64 (n <= 7)
+    std::vector<T> dres_buf(linked ? 2 * kSiteChunk * nn : 0);
+    for (int64_t chunk = c0; chunk < c1; ++chunk) {
+      const int64_t u0 = chunk * kSiteChunk, u1 = std::min(N, u0 + kSiteChunk);
+      const T* drp = a.dres;  // the logits' gradient, indexed by the global token
+      if (linked) {  // the write's gradient of H_res for the chunk, then through the Sinkhorn backward
+        T *gres = dres_buf.data(), *dlog = gres + kSiteChunk * nn;
+        for (int64_t t = u0; t < u1; ++t) {
+          T* gr = gres + (t - u0) * nn;
+          write_res_grad<T, NS>(a.g + t * nC, a.x + t * nC, gr, n, C);
+          if (a.dres_h != nullptr)
+            for (int64_t k = 0; k < nn; ++k) gr[k] += a.dres_h[t * nn + k];
+        }
+        glm_lightning_ops::sinkhorn_backward_tokens<T>(gres, nn, a.soft + u0 * nn, nn, u1 - u0, n, a.iters, a.eps,
+                                                       dlog);
+        drp = dlog - u0 * nn;
+      }
+      for (int64_t t0 = u0; t0 < u1; t0 += kSiteBlock) {
+        const int64_t t1 = std::min(u1, t0 + kSiteBlock), nt = t1 - t0;
         for (int64_t t = t0; t < t1; ++t) {
-          const T* xt = xp + t * nC;
-          const T* dht = dhp + t * C;
+          const T* xt = a.x + t * nC;
+          const T* dht = a.dh + t * C;
           if (t + kSiteBlock < N) prefetch(xt + kSiteBlock * nC, nC), prefetch(dht + kSiteBlock * C, C);
-          const T r = ip[t];
+          const T r = a.inv[t];
           T dz_raw = 0;
           for (int64_t l = 0; l < L; ++l) {
             T dlogit;
             if (l < 2 * n) {
-              const T dg = l < n ? dot(dht, xt + l * C, C) : dpp[t * n + l - n];
-              const T s = sp[t * 2 * n + l];
-              dlogit = dg * sc[l] * (s - s * s);
+              const T dg = l < n ? dot(dht, xt + l * C, C) : a.dpost[t * n + l - n];
+              const T s = a.sig[t * 2 * n + l];
+              dlogit = dg * a.scale[l] * (s - s * s);
             } else {
-              dlogit = drp[t * n * n + l - 2 * n];
+              dlogit = drp[t * nn + l - 2 * n];
             }
-            const T rw = rawp[t * L + l];
+            const T rw = a.raw[t * L + l];
             dbias[l] += dlogit;
             dalpha[l] += dlogit * rw * r;
-            const T dz = dlogit * ap[l];
+            const T dz = dlogit * a.alpha_e[l];
             dz_raw += dz * rw;
             draw[(t - t0) * L + l] = dz * r;
           }
           const T coef = dz_raw * r * r * r / static_cast<T>(nC);
           T* dxt = dxp + t * nC;
           for (int64_t i = 0; i < n; ++i) {  // H_pre[i] dh - coef x_i
-            const T w = gp[t * 2 * n + i];
+            const T w = a.gates[t * 2 * n + i];
             for (int64_t c = 0; c < C; ++c) dxt[i * C + c] = w * dht[c] - coef * xt[i * C + c];
           }
         }
         // dx += draw phi and dphi += draw^T x over the block, kLanes channels at a time; a full block has a
         // compile-time token count, so its kSiteBlock x kLanes accumulators stay in registers
         if (nt == kSiteBlock)
-          draw_products<T, kSiteBlock>(draw, pp, xp + t0 * nC, dxp + t0 * nC, dphi, L, nC);
+          draw_products<T, kSiteBlock>(draw, a.phi, a.x + t0 * nC, dxp + t0 * nC, dphi, L, nC);
         else
-          draw_products<T, 0>(draw, pp, xp + t0 * nC, dxp + t0 * nC, dphi, L, nC, nt);
-        if (accp != nullptr)  // the block's dx is still in L1
-          for (int64_t k = t0 * nC; k < t1 * nC; ++k) dxp[k] += accp[k];
+          draw_products<T, 0>(draw, a.phi, a.x + t0 * nC, dxp + t0 * nC, dphi, L, nC, nt);
+        if (linked)  // the block's dx and g are still in cache
+          for (int64_t t = t0; t < t1; ++t)
+            add_write_streams_grad<T, NS>(a.g + t * nC, a.res + t * nn, dxp + t * nC, n, C);
+        else if (a.acc != nullptr)
+          for (int64_t k = t0 * nC; k < t1 * nC; ++k) dxp[k] += a.acc[k];
       }
+    }
+  });
+}
+
+// The checks and outputs shared by both backward ops; fn(SiteGrads<T>&) fills in the mode's pointers.
+template <typename Fill>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_backward(
+    const at::Tensor& dh_in, const at::Tensor& dpost_in, const at::Tensor& x, const at::Tensor& phi,
+    const at::Tensor& alpha_e_in, const at::Tensor& scale_in, const at::Tensor& inv, const at::Tensor& raw,
+    const at::Tensor& sig, const at::Tensor& gates, Fill&& fill) {
+  check_site(x, phi);
+  const int64_t N = x.size(0), n = x.size(1), C = x.size(2), nC = n * C, L = n * n + 2 * n;
+  const auto dt = x.scalar_type();
+  const at::Tensor dh = dh_in.to(dt).contiguous(), dpost = dpost_in.to(dt).contiguous(),
+                   alpha_e = alpha_e_in.to(dt).contiguous(), scale = scale_in.to(dt).contiguous();
+  TORCH_CHECK(dh.numel() == N * C && dpost.numel() == N * n, "gradient shapes");
+  TORCH_CHECK(inv.numel() == N && raw.numel() == N * L && sig.numel() == N * 2 * n && gates.numel() == N * 2 * n &&
+                  inv.is_contiguous() && raw.is_contiguous() && sig.is_contiguous() && gates.is_contiguous(),
+              "saved tensors of site_read");
+  const int threads = at::get_num_threads();
+  at::Tensor dx = at::empty({N, n, C}, x.options());
+  at::Tensor dphi_t = at::zeros({threads, L, nC}, x.options()), dsum_t = at::zeros({threads, 2, L}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(dt, "site_read_backward", [&] {
+    using T = scalar_t;
+    SiteGrads<T> a{x.data_ptr<T>(), phi.data_ptr<T>(), alpha_e.data_ptr<T>(), scale.data_ptr<T>(), inv.data_ptr<T>(),
+                   raw.data_ptr<T>(), sig.data_ptr<T>(), gates.data_ptr<T>(), dh.data_ptr<T>(), dpost.data_ptr<T>(),
+                   nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, T(0)};
+    std::vector<at::Tensor> keep;  // converted inputs, alive through the call
+    fill(a, keep, N, n, C);
+    with_stream_count_sr(n, [&]<int NS>() {
+      backward_core<T, NS>(a, N, n, C, dx.data_ptr<T>(), dphi_t.data_ptr<T>(), dsum_t.data_ptr<T>());
     });
   });
   at::Tensor sums = dsum_t.sum(0);
   return {dx, dphi_t.sum(0), sums[0], sums[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward(
+    const at::Tensor& dh, const at::Tensor& dpost, const at::Tensor& dres_in, const at::Tensor& x,
+    const at::Tensor& phi, const at::Tensor& alpha_e, const at::Tensor& scale, const at::Tensor& inv,
+    const at::Tensor& raw, const at::Tensor& sig, const at::Tensor& gates, const std::optional<at::Tensor>& acc_in) {
+  return site_backward(dh, dpost, x, phi, alpha_e, scale, inv, raw, sig, gates,
+                       [&]<typename T>(SiteGrads<T>& a, std::vector<at::Tensor>& keep, int64_t N, int64_t n,
+                                       int64_t C) {
+    const at::Tensor dres = dres_in.to(x.scalar_type()).contiguous();
+    TORCH_CHECK(dres.numel() == N * n * n, "gradient shapes");
+    keep.push_back(dres);
+    a.dres = dres.data_ptr<T>();
+    if (acc_in.has_value()) {
+      const at::Tensor acc = acc_in->to(x.scalar_type()).contiguous();
+      TORCH_CHECK(acc.numel() == N * n * C, "dx_acc must be shaped as x");
+      keep.push_back(acc);
+      a.acc = acc.data_ptr<T>();
+    }
+  });
+}
+
+// The linked form (glm_lightning/model/ops/mhc.py, _StreamWriteLinked): g the write's output gradient (None: the
+// write's output took none), res / soft the Sinkhorn output and row softmax of the forward, dres_h the gradient of
+// H_res from consumers other than the linked write (None when there are none).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> site_read_backward_linked(
+    const at::Tensor& dh, const at::Tensor& dpost, const std::optional<at::Tensor>& dres_h,
+    const std::optional<at::Tensor>& g, const at::Tensor& res, const at::Tensor& soft, int64_t iters, double eps,
+    const at::Tensor& x, const at::Tensor& phi, const at::Tensor& alpha_e, const at::Tensor& scale,
+    const at::Tensor& inv, const at::Tensor& raw, const at::Tensor& sig, const at::Tensor& gates) {
+  TORCH_CHECK(iters >= 1, "iters must be >= 1");
+  return site_backward(dh, dpost, x, phi, alpha_e, scale, inv, raw, sig, gates,
+                       [&]<typename T>(SiteGrads<T>& a, std::vector<at::Tensor>& keep, int64_t N, int64_t n,
+                                       int64_t C) {
+    const auto dt = x.scalar_type();
+    const auto dense = [&](const at::Tensor& t, int64_t numel, const char* name) -> const T* {
+      const at::Tensor c = t.to(dt).contiguous();
+      TORCH_CHECK(c.numel() == numel, name, ": wrong size");
+      keep.push_back(c);
+      return c.data_ptr<T>();
+    };
+    a.res = dense(res, N * n * n, "res");
+    a.soft = dense(soft, N * n * n, "soft");
+    a.iters = iters;
+    a.eps = static_cast<T>(eps);
+    if (dres_h.has_value()) a.dres_h = dense(*dres_h, N * n * n, "dres");
+    if (g.has_value()) {
+      a.g = dense(*g, N * n * C, "g");
+    } else {  // no write gradient: H_res's gradient is the other consumers' alone, through the Sinkhorn backward
+      at::Tensor d = at::empty({N, n, n}, x.options());
+      if (dres_h.has_value())
+        glm_lightning_ops::sinkhorn_backward_tokens<T>(a.dres_h, n * n, a.soft, n * n, N, n, iters, a.eps,
+                                                       d.data_ptr<T>());
+      else
+        d.zero_();
+      keep.push_back(d);
+      a.dres = d.data_ptr<T>();
+    }
+  });
 }
 
 }  // namespace
@@ -360,6 +528,9 @@ TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("site_read_backward(Tensor dh, Tensor dpost, Tensor dres_logits, Tensor x, Tensor phi, Tensor alpha_e, "
         "Tensor scale, Tensor inv_rms, Tensor raw, Tensor sig, Tensor gates, Tensor? dx_acc=None) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("site_read_backward_linked(Tensor dh, Tensor dpost, Tensor? dres, Tensor? g, Tensor res, Tensor softmax, "
+        "int iters, float eps, Tensor x, Tensor phi, Tensor alpha_e, Tensor scale, Tensor inv_rms, Tensor raw, "
+        "Tensor sig, Tensor gates) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("site_read_decode(Tensor x, Tensor phi, Tensor alpha, Tensor alpha_index, Tensor bias, Tensor scale, "
         "Tensor shift, float norm_eps, int iters, float eps) -> (Tensor, Tensor, Tensor)");
 }
@@ -367,5 +538,6 @@ TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
   m.impl("site_read", &site_read);
   m.impl("site_read_backward", &site_read_backward);
+  m.impl("site_read_backward_linked", &site_read_backward_linked);
   m.impl("site_read_decode", &site_read_decode);
 }

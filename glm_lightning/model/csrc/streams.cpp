@@ -237,6 +237,64 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stream_write_backward
   return {gres, gx, gpost, gy};
 }
 
+// The linked write's backward (glm_lightning/model/ops/mhc.py, _StreamWriteLinked): only d post = grad y and d y =
+// post grad, one pass over grad; the write's gradients of H_res and of the streams are formed by the site read's
+// backward from grad (csrc/site_read.cpp, site_read_backward_linked), which reads grad and the streams anyway. The
+// sums in write_backward_token's order, so the same values bit for bit.
+template <typename T, int NS>
+inline void write_backward_token_linked(const T* __restrict g, const T* __restrict p, const T* __restrict y,
+                                        T* __restrict gp, T* __restrict gy, int64_t n_rt, int64_t C) {
+  using L = Lanes<T>;
+  using Vec = typename L::Vec;
+  constexpr int kMax = NS > 0 ? NS : kMaxStreams;
+  const int64_t n = NS > 0 ? NS : n_rt;
+  Vec d[kMax] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= C; c += kLanes) {
+    const Vec yv = L::load(y + c);
+    Vec acc = {};
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec gv = L::load(g + i * C + c);
+      acc += p[i] * gv;
+      d[i] += gv * yv;
+    }
+    L::store(gy + c, acc);
+  }
+  for (int64_t i = 0; i < n; ++i) gp[i] = L::sum(d[i]);
+  for (; c < C; ++c) {
+    T acc = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      acc += p[i] * g[i * C + c];
+      gp[i] += g[i * C + c] * y[c];
+    }
+    gy[c] = acc;
+  }
+}
+
+// grad [..., n, C] -> (d post = grad y [..., n], d y = post grad [..., C])
+std::tuple<at::Tensor, at::Tensor> stream_write_backward_linked(const at::Tensor& g_in, const at::Tensor& post_in,
+                                                                const at::Tensor& y_in) {
+  const at::Tensor g = dense(g_in), y = dense(y_in);
+  const int64_t n = g.size(-2), C = g.size(-1), T = g.numel() / (n * C);
+  const Tokens post = tokens(post_in, n);
+  TORCH_CHECK(post.t.numel() == T * n && y.numel() == T * C, "operand shapes");
+  TORCH_CHECK(post.t.scalar_type() == g.scalar_type() && y.scalar_type() == g.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(n <= kMaxStreams, "stream_write_backward_linked: at most ", kMaxStreams, " streams");
+  at::Tensor gpost = at::empty(post_in.sizes(), g.options()), gy = at::empty(y_in.sizes(), g.options());
+  AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "stream_write_backward_linked", [&] {
+    const scalar_t *gp = g.data_ptr<scalar_t>(), *pp = post.t.data_ptr<scalar_t>(), *yp = y.data_ptr<scalar_t>();
+    scalar_t *gpp = gpost.data_ptr<scalar_t>(), *gyp = gy.data_ptr<scalar_t>();
+    with_stream_count(n, [&]<int NS>() {
+      at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t)
+          write_backward_token_linked<scalar_t, NS>(gp + t * n * C, pp + t * post.stride, yp + t * C, gpp + t * n,
+                                                    gyp + t * C, n, C);
+      });
+    });
+  });
+  return {gpost, gy};
+}
+
 }  // namespace
 
 namespace streams_ops {  // block_decode.cpp calls it as a C++ function (no dispatch per call)
@@ -251,6 +309,7 @@ TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("stream_write(Tensor res, Tensor x, Tensor post, Tensor y) -> Tensor");
   m.def("stream_write_backward(Tensor grad, Tensor res, Tensor x, Tensor post, Tensor y) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("stream_write_backward_linked(Tensor grad, Tensor post, Tensor y) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
@@ -258,4 +317,5 @@ TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
   m.impl("stream_read_backward", &stream_read_backward);
   m.impl("stream_write", &stream_write);
   m.impl("stream_write_backward", &stream_write_backward);
+  m.impl("stream_write_backward_linked", &stream_write_backward_linked);
 }
