@@ -45,17 +45,13 @@ void check_keys(const at::Tensor& t, const char* name) {
 // Keys per `dots` call: one lane sum each, reduced together by one Lanes::sums16 (16 on AVX-512, 8 on AVX2, 4 on
 // SSE / NEON).
 constexpr int64_t kKeys = glm_lightning_ops::kLanes;
-// Floats per cache line, the prefetches' stride.
-constexpr int64_t kLineFloats = 16;
 
 // out[i] = q . key_i for the n (<= kKeys) rows key_i = k + i * stride, each D floats: their lane sums reduced
-// together (Lanes::sums16) when D is a multiple of kLanes, else one dot_ per key. `ahead` (same layout): the keys the
-// next call will read, prefetched (a decode step's cached keys are cold: the step streams the whole model).
+// together (Lanes::sums16) when D is a multiple of kLanes, else one dot_ per key. No software prefetch of the keys
+// the next call reads: see single_query_attention.
 inline void dots(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t D, int64_t n,
-                 float* __restrict out, const float* ahead) {
+                 float* __restrict out) {
   using L = Lanes<float>;
-  for (int64_t i = 0; ahead != nullptr && i < n; ++i)
-    for (int64_t d = 0; d < D; d += kLineFloats) __builtin_prefetch(ahead + i * stride + d, 0, 0);
   if (D % L::N != 0) {
     for (int64_t i = 0; i < n; ++i) out[i] = dot_(q, k + i * stride, D);
     return;
@@ -90,7 +86,7 @@ at::Tensor index_scores_one(const at::Tensor& q_in, const at::Tensor& w_in, cons
         const int64_t n = std::min<int64_t>(kKeys, S - s0);
         float* o = op + b * S + s0;
         for (int64_t j = 0; j < HI; ++j) {  // heads summed in order (no software prefetch: single_query_attention)
-          dots(qp + (b * HI + j) * DI, kp + b * kb + s0 * ks, ks, DI, n, d, nullptr);
+          dots(qp + (b * HI + j) * DI, kp + b * kb + s0 * ks, ks, DI, n, d);
           const float wj = wp[b * HI + j];
           for (int64_t i = 0; i < n; ++i) o[i] += wj * std::max(0.f, d[i]);
         }
@@ -99,37 +95,32 @@ at::Tensor index_scores_one(const at::Tensor& q_in, const at::Tensor& w_in, cons
   return out;
 }
 
-// o[d] += sum_s p[s] v_s[d] over the keys with p[s] != 0, in key order (rows v_s = v + s * vs; `ahead`: the next
-// query's values, prefetched), with NV vectors of o in registers across the keys: D = NV lanes.
+// o[d] += sum_s p[s] v_s[d] over the keys with p[s] != 0, in key order (rows v_s = v + s * vs), with NV vectors of o
+// in registers across the keys: D = NV lanes.
 template <int NV>
 inline void weighted_values_in_registers(const float* __restrict p, const float* __restrict v, int64_t vs, int64_t S,
-                                         float* __restrict o, const float* ahead) {
+                                         float* __restrict o) {
   using L = Lanes<float>;
   Vec acc[NV];
   for (int j = 0; j < NV; ++j) acc[j] = L::load(o + j * L::N);
   for (int64_t s = 0; s < S; ++s)
-    if (p[s] != 0.f) {
-      for (int64_t d = 0; ahead != nullptr && d < NV * L::N; d += kLineFloats)
-        __builtin_prefetch(ahead + s * vs + d, 0, 0);
+    if (p[s] != 0.f)
       for (int j = 0; j < NV; ++j) acc[j] += p[s] * L::load(v + s * vs + j * L::N);
-    }
   for (int j = 0; j < NV; ++j) L::store(o + j * L::N, acc[j]);
 }
 
 // The attention's weighted sum of values. Why registers: summed in place in o, each key's multiply-add waited on the
 // previous key's store to o (a store-to-load chain per key); the same multiply-adds in the same order on registers
 // are the same values.
-inline void weighted_values(const float* p, const float* v, int64_t vs, int64_t S, int64_t D, float* o,
-                            const float* ahead) {
+inline void weighted_values(const float* p, const float* v, int64_t vs, int64_t S, int64_t D, float* o) {
   constexpr int64_t N = Lanes<float>::N;
-  if (D == N) return weighted_values_in_registers<1>(p, v, vs, S, o, ahead);
-  if (D == 2 * N) return weighted_values_in_registers<2>(p, v, vs, S, o, ahead);
-  if (D == 4 * N) return weighted_values_in_registers<4>(p, v, vs, S, o, ahead);
+  if (D == N) return weighted_values_in_registers<1>(p, v, vs, S, o);
+  if (D == 2 * N) return weighted_values_in_registers<2>(p, v, vs, S, o);
+  if (D == 4 * N) return weighted_values_in_registers<4>(p, v, vs, S, o);
   for (int64_t s = 0; s < S; ++s)
     if (p[s] != 0.f) {
       const float e = p[s];
       const float* __restrict val = v + s * vs;
-      for (int64_t d = 0; ahead != nullptr && d < D; d += kLineFloats) __builtin_prefetch(ahead + s * vs + d, 0, 0);
       _Pragma("omp simd") for (int64_t d = 0; d < D; ++d) o[d] += e * val[d];
     }
 }
@@ -165,8 +156,7 @@ at::Tensor single_query_attention(const at::Tensor& q_in, const at::Tensor& k, c
       const int64_t b = r / H, g = (r % H) / G;
       const bool* m = mp + b * S;
       for (int64_t s0 = 0; s0 < S; s0 += kKeys)  // logits of every key, then the masked ones set to -inf
-        dots(qp + r * D, kp + b * kb + g * kh + s0 * ks, ks, D, std::min<int64_t>(kKeys, S - s0), p.data() + s0,
-             nullptr);
+        dots(qp + r * D, kp + b * kb + g * kh + s0 * ks, ks, D, std::min<int64_t>(kKeys, S - s0), p.data() + s0);
       float top = ninf;
       for (int64_t s = 0; s < S; ++s) {
         p[s] = m[s] ? sc * p[s] : ninf;
@@ -180,7 +170,7 @@ at::Tensor single_query_attention(const at::Tensor& q_in, const at::Tensor& k, c
         total += pp[s];
       }
       float* __restrict o = op + r * D;
-      weighted_values(pp, vp + b * vb + g * vh, vs, S, D, o, nullptr);
+      weighted_values(pp, vp + b * vb + g * vh, vs, S, D, o);
       const float inv = 1.f / total;
       _Pragma("omp simd") for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }
