@@ -157,12 +157,24 @@ inline bool tall(int64_t rows) { return rows > kTileAcc / 2; }
 // [768 x 192] 90 -> 70 us; rows up to kTileAcc / 2 (several panels per tile, at most 8 rows) gained nothing, and stay
 // rows. A flash-25m decode step (16 rows, the two forms switched in turns in one process): fp32 19.3 -> 18.5 ms,
 // bf16 15.4 -> 15.2 ms (medians of 9 rounds on the shared machine).
+// A block of L rows (AVX-512's 16-row tiles) goes through register transposes of L x L (lanes.h), L values of each
+// row at a time; other block heights (AVX2's 12-row tiles, a shorter last block) element by element.
 void transpose_blocks(const float* x, float* xt, int64_t rows, int64_t in) {
+  using L = glm_lightning_ops::Lanes<float>;
   for (int64_t m = 0; m < rows; m += kTileAcc) {
     const int64_t mb = std::min<int64_t>(kTileAcc, rows - m);
     const float* xb = x + m * in;
     float* tb = xt + m * in;
-    for (int64_t k = 0; k < in; ++k)
+    int64_t k0 = 0;
+    if (mb == L::N) {
+      PVec r[L::N];
+      for (; k0 + L::N <= in; k0 += L::N) {
+        for (int64_t i = 0; i < L::N; ++i) r[i] = L::load(xb + i * in + k0);
+        L::transpose(r);  // r[j] lane i = x[i, k0 + j]
+        for (int64_t j = 0; j < L::N; ++j) L::store(tb + (k0 + j) * mb, r[j]);
+      }
+    }
+    for (int64_t k = k0; k < in; ++k)
       for (int64_t i = 0; i < mb; ++i) tb[k * mb + i] = xb[i * in + k];
   }
 }
