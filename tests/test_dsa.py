@@ -354,7 +354,7 @@ def _decode_paths() -> list[str]:
 
 
 @pytest.mark.parametrize("path", _decode_paths())
-@pytest.mark.parametrize("D,S", [(8, 11), (32, 37)])  # the C++ op's scalar dots and its 16-key blocks
+@pytest.mark.parametrize("D,S", [(8, 11), (32, 37), (64, 21)])  # scalar dots, 16-key blocks, value sums in registers
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
 def test_single_query_attention_equals_sdpa(n_kv_heads: int, D: int, S: int, path: str) -> None:
     """The decode step's attention equals SDPA with the boolean mask, for GQA groups, keys and values that are

@@ -195,3 +195,23 @@ def test_panel_pack_layout(shape, dtype):
     want = padded.view(*W.shape[:-2], -1, L, inn).transpose(-1, -2).to(dtype)
     assert P.dtype == dtype and P.shape == want.shape
     assert torch.equal(P.isnan(), want.isnan()) and torch.equal(P.nan_to_num(), want.nan_to_num())
+
+
+def test_tall_row_blocks_equal_the_rows_in_short_tiles():
+    """More than kTileAcc / 2 rows run as one-panel tiles read from x's transposed blocks (16 rows at a time on
+    AVX-512, a shorter last block); up to half that, several panels per tile read x's rows. Both sum each output's
+    products in the same order, so an expert with 9..40 rows gives the bits of the same rows taken 4 at a time, with
+    the tall and short experts of one call side by side (each expert's transposed blocks at its own place)."""
+    gen = torch.Generator().manual_seed(7)
+    E, M, n_in, n_out = 3, 40, 36, 50
+    x = torch.randn(E, M, n_in, generator=gen)
+    W = torch.randn(E, n_out, n_in, generator=gen)
+    bias = torch.randn(E, n_out, generator=gen)
+    P = torch.ops.glm_lightning.panel_pack(W)
+    for counts in ([40, 3, 17], [9, 33, 0], [16, 16, 8]):
+        c = torch.tensor(counts)
+        y = torch.ops.glm_lightning.panel_matmul(x, P, n_out, c, bias)
+        for e, rows in enumerate(counts):
+            for m in range(0, rows, 4):
+                short = torch.ops.glm_lightning.panel_matmul(x[e, m:min(rows, m + 4)], P[e], n_out, None, bias[e])
+                assert torch.equal(y[e, m:min(rows, m + 4)], short)

@@ -45,17 +45,13 @@ void check_keys(const at::Tensor& t, const char* name) {
 // Keys per `dots` call: one lane sum each, reduced together by one Lanes::sums16 (16 on AVX-512, 8 on AVX2, 4 on
 // SSE / NEON).
 constexpr int64_t kKeys = glm_lightning_ops::kLanes;
-// Floats per cache line, the prefetches' stride.
-constexpr int64_t kLineFloats = 16;
 
 // out[i] = q . key_i for the n (<= kKeys) rows key_i = k + i * stride, each D floats: their lane sums reduced
-// together (Lanes::sums16) when D is a multiple of kLanes, else one dot_ per key. `ahead` (same layout): the keys the
-// next call will read, prefetched (a decode step's cached keys are cold: the step streams the whole model).
+// together (Lanes::sums16) when D is a multiple of kLanes, else one dot_ per key. No software prefetch of the keys
+// the next call reads: see single_query_attention.
 inline void dots(const float* __restrict q, const float* __restrict k, int64_t stride, int64_t D, int64_t n,
-                 float* __restrict out, const float* ahead) {
+                 float* __restrict out) {
   using L = Lanes<float>;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < D; d += kLineFloats) __builtin_prefetch(ahead + i * stride + d, 0, 0);
   if (D % L::N != 0) {
     for (int64_t i = 0; i < n; ++i) out[i] = dot_(q, k + i * stride, D);
     return;
@@ -89,15 +85,44 @@ at::Tensor index_scores_one(const at::Tensor& q_in, const at::Tensor& w_in, cons
       for (int64_t s0 = 0; s0 < S; s0 += kKeys) {
         const int64_t n = std::min<int64_t>(kKeys, S - s0);
         float* o = op + b * S + s0;
-        const float* ahead = kp + std::min(b + 1, B - 1) * kb + s0 * ks;  // the next row's keys
-        for (int64_t j = 0; j < HI; ++j) {  // heads summed in order
-          dots(qp + (b * HI + j) * DI, kp + b * kb + s0 * ks, ks, DI, n, d, ahead);
+        for (int64_t j = 0; j < HI; ++j) {  // heads summed in order (no software prefetch: single_query_attention)
+          dots(qp + (b * HI + j) * DI, kp + b * kb + s0 * ks, ks, DI, n, d);
           const float wj = wp[b * HI + j];
           for (int64_t i = 0; i < n; ++i) o[i] += wj * std::max(0.f, d[i]);
         }
       }
   });
   return out;
+}
+
+// o[d] += sum_s p[s] v_s[d] over the keys with p[s] != 0, in key order (rows v_s = v + s * vs), with NV vectors of o
+// in registers across the keys: D = NV lanes.
+template <int NV>
+inline void weighted_values_in_registers(const float* __restrict p, const float* __restrict v, int64_t vs, int64_t S,
+                                         float* __restrict o) {
+  using L = Lanes<float>;
+  Vec acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = L::load(o + j * L::N);
+  for (int64_t s = 0; s < S; ++s)
+    if (p[s] != 0.f)
+      for (int j = 0; j < NV; ++j) acc[j] += p[s] * L::load(v + s * vs + j * L::N);
+  for (int j = 0; j < NV; ++j) L::store(o + j * L::N, acc[j]);
+}
+
+// The attention's weighted sum of values. Why registers: summed in place in o, each key's multiply-add waited on the
+// previous key's store to o (a store-to-load chain per key); the same multiply-adds in the same order on registers
+// are the same values.
+inline void weighted_values(const float* p, const float* v, int64_t vs, int64_t S, int64_t D, float* o) {
+  constexpr int64_t N = Lanes<float>::N;
+  if (D == N) return weighted_values_in_registers<1>(p, v, vs, S, o);
+  if (D == 2 * N) return weighted_values_in_registers<2>(p, v, vs, S, o);
+  if (D == 4 * N) return weighted_values_in_registers<4>(p, v, vs, S, o);
+  for (int64_t s = 0; s < S; ++s)
+    if (p[s] != 0.f) {
+      const float e = p[s];
+      const float* __restrict val = v + s * vs;
+      _Pragma("omp simd") for (int64_t d = 0; d < D; ++d) o[d] += e * val[d];
+    }
 }
 
 at::Tensor single_query_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v,
@@ -119,15 +144,19 @@ at::Tensor single_query_attention(const at::Tensor& q_in, const at::Tensor& k, c
   const int64_t G = H / Hkv, kb = k.stride(0), kh = k.stride(1), ks = k.stride(2);
   const int64_t vb = v.stride(0), vh = v.stride(1), vs = v.stride(2);
   const float sc = static_cast<float>(scale), ninf = -std::numeric_limits<float>::infinity();
+  // No software prefetch of the next query's keys and values: a (row, head)'s keys are one contiguous run of S x D
+  // floats, which the hardware prefetchers follow, and the prefetch instructions (two per key, nontemporal) were
+  // where the kernel waited. With them gone and the values' sum in registers (weighted_values), Intel Xeon (AVX-512),
+  // 1 thread, 16 rows x 6 heads of 32, strided cache slices, CPU time, the forms in turns
+  // (benchmarks/bench_decode_attention.py): 48 keys 122 -> 69 us, 80 keys 292 -> 122 us, 160 keys 593 -> 186 us;
+  // the PyTorch form (two bmm, masked softmax) 152, 227, 331 us.
   at::parallel_for(0, B * H, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> p(S);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / H, g = (r % H) / G;
-      const int64_t rn = std::min(r + 1, B * H - 1), bn = rn / H, gn = (rn % H) / G;  // the next row: prefetched
       const bool* m = mp + b * S;
       for (int64_t s0 = 0; s0 < S; s0 += kKeys)  // logits of every key, then the masked ones set to -inf
-        dots(qp + r * D, kp + b * kb + g * kh + s0 * ks, ks, D, std::min<int64_t>(kKeys, S - s0), p.data() + s0,
-             kp + bn * kb + gn * kh + s0 * ks);
+        dots(qp + r * D, kp + b * kb + g * kh + s0 * ks, ks, D, std::min<int64_t>(kKeys, S - s0), p.data() + s0);
       float top = ninf;
       for (int64_t s = 0; s < S; ++s) {
         p[s] = m[s] ? sc * p[s] : ninf;
@@ -141,13 +170,7 @@ at::Tensor single_query_attention(const at::Tensor& q_in, const at::Tensor& k, c
         total += pp[s];
       }
       float* __restrict o = op + r * D;
-      for (int64_t s = 0; s < S; ++s)
-        if (pp[s] != 0.f) {
-          const float e = pp[s];
-          const float* __restrict val = vp + b * vb + g * vh + s * vs;
-          for (int64_t d = 0; d < D; d += kLineFloats) __builtin_prefetch(vp + bn * vb + gn * vh + s * vs + d, 0, 0);
-          _Pragma("omp simd") for (int64_t d = 0; d < D; ++d) o[d] += e * val[d];
-        }
+      weighted_values(pp, vp + b * vb + g * vh, vs, S, D, o);
       const float inv = 1.f / total;
       _Pragma("omp simd") for (int64_t d = 0; d < D; ++d) o[d] *= inv;
     }

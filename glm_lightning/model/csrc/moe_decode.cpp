@@ -40,19 +40,24 @@ at::Tensor rows_gather_sum(const at::Tensor& src, const at::Tensor& slot, int64_
 namespace moe_decode_ops {
 
 // a = SiLU(gate) * up over rows of hgu [.., 2h] = [gate | up]: swiglu.cpp's fp32 forward, the same expression (so the
-// same values; a decode step's few rows need no parallel loop).
-at::Tensor swiglu_rows(const at::Tensor& hgu) {
+// same values; a decode step's few rows need no parallel loop). counts (nullable, with hgu [E, cap, 2h]): only each
+// expert's first counts[e] rows, the real ones: the padding rows of a are left unwritten, as the down projection
+// (panel_matmul over the same counts) and the gathered sum (the real rows' slots) never read them (16 rows x top-2
+// over 8 experts fill about half of E x cap).
+at::Tensor swiglu_rows(const at::Tensor& hgu, const int64_t* counts) {
   const int64_t h = hgu.size(-1) / 2, rows = hgu.numel() / (2 * h);
+  const int64_t E = counts == nullptr ? 1 : hgu.size(0), cap = rows / E;
   std::vector<int64_t> shape(hgu.sizes().begin(), hgu.sizes().end());
   shape.back() = h;
   at::Tensor a = at::empty(shape, hgu.options());
   const float* hp = hgu.data_ptr<float>();
   float* ap = a.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float *g = hp + r * 2 * h, *u = g + h;
-    float* ar = ap + r * h;
-    for (int64_t c = 0; c < h; ++c) ar[c] = g[c] / (1.f + glm_lightning_ops::exp_(-g[c])) * u[c];
-  }
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = e * cap; r < e * cap + (counts == nullptr ? cap : counts[e]); ++r) {
+      const float *g = hp + r * 2 * h, *u = g + h;
+      float* ar = ap + r * h;
+      for (int64_t c = 0; c < h; ++c) ar[c] = g[c] / (1.f + glm_lightning_ops::exp_(-g[c])) * u[c];
+    }
   return a;
 }
 
@@ -71,11 +76,12 @@ at::Tensor moe_decode(const at::Tensor& x_in, const at::Tensor& router, int64_t 
   int64_t cap = 0;
   for (int64_t e = 0; e < E; ++e) cap = std::max(cap, np[e]);
   const at::Tensor xs = moe_rows::rows_scatter(x, slot, K, std::nullopt, E * cap).view({E, cap, d});
-  const at::Tensor a = swiglu_rows(panel_ops::panel_matmul(xs, gate_up, h2, counts, std::nullopt));
+  const at::Tensor a = swiglu_rows(panel_ops::panel_matmul(xs, gate_up, h2, counts, std::nullopt), np);
   const at::Tensor y_pad = panel_ops::panel_matmul(a, down, d, counts, std::nullopt).view({E * cap, d});
   at::Tensor y = moe_rows::rows_gather_sum(y_pad, slot, K, w);
   if (shared_gate_up.has_value()) {
-    const at::Tensor a_s = swiglu_rows(panel_ops::panel_matmul(x, *shared_gate_up, hs2, std::nullopt, std::nullopt));
+    const at::Tensor a_s =
+        swiglu_rows(panel_ops::panel_matmul(x, *shared_gate_up, hs2, std::nullopt, std::nullopt), nullptr);
     const at::Tensor ys = panel_ops::panel_matmul(a_s, *shared_down, d, std::nullopt, std::nullopt);
     float* yp = y.data_ptr<float>();
     const float* sp = ys.data_ptr<float>();

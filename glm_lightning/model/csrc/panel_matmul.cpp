@@ -60,10 +60,11 @@ constexpr int kTileAcc = 12;
 inline PVec load_w(const float* p) { return glm_lightning_ops::Lanes<float>::load(p); }
 inline PVec load_w(const uint16_t* p) { return glm_lightning_ops::load_bf16(p); }
 
-// y[m0 .. m0+MB, panels p0 .. p0+V] for MB rows of x (row stride `in`) and V panels starting at P (panel stride
-// in * L); the MB x V accumulators stay in registers across k. Writes the first `cols` outputs of the last panel
-// (fewer than L at a matrix's ragged end), adding bias (nullable) at the panel's outputs.
-template <int MB, int V, typename W>
+// y[m0 .. m0+MB, panels p0 .. p0+V] for MB rows of x and V panels starting at P (panel stride in * L); the MB x V
+// accumulators stay in registers across k. x is rows (row stride `in`) or, with XT, the block transposed ([in, MB]:
+// x_block[i, k] at x[k * MB + i], see transpose_blocks). Writes the first `cols` outputs of the last panel (fewer than
+// L at a matrix's ragged end), adding bias (nullable) at the panel's outputs.
+template <int MB, int V, bool XT, typename W>
 inline void tile(const float* __restrict x, const W* __restrict P, float* __restrict y, int64_t in, int64_t out,
                  int64_t last_cols, const float* bias, bool prefetch) {
   PVec acc[MB][V];
@@ -76,7 +77,7 @@ inline void tile(const float* __restrict x, const W* __restrict P, float* __rest
     if (prefetch)  // the next V panels (contiguous after these: the next tile's, task's or matrix's), row for row
       for (int v = 0; v < V; ++v) __builtin_prefetch(P + (V + v) * stride + k * kPanel, 0, 3);
     for (int i = 0; i < MB; ++i) {
-      const float xi = x[i * in + k];
+      const float xi = XT ? x[k * MB + i] : x[i * in + k];
       for (int v = 0; v < V; ++v) acc[i][v] += xi * w[v];
     }
   }
@@ -106,21 +107,22 @@ inline void tile(const float* __restrict x, const W* __restrict P, float* __rest
 
 // tile<mb, V> for a run-time mb in [1, kTileAcc / V]: every row count gets its own register tile (a tile padded with
 // dummy rows, or one row at a time, would multiply the work or wait on one multiply-add chain per output).
-template <int V, int MB = 1, typename W>
+template <int V, bool XT, int MB = 1, typename W>
 inline void tile_rows(int64_t mb, const float* x, const W* P, float* y, int64_t in, int64_t out, int64_t last_cols,
                       const float* bias, bool prefetch) {
   if constexpr ((MB + 1) * V <= kTileAcc) {
-    if (mb > MB) return tile_rows<V, MB + 1, W>(mb, x, P, y, in, out, last_cols, bias, prefetch);
+    if (mb > MB) return tile_rows<V, XT, MB + 1, W>(mb, x, P, y, in, out, last_cols, bias, prefetch);
   }
-  tile<MB, V>(x, P, y, in, out, last_cols, bias, prefetch);
+  tile<MB, V, XT>(x, P, y, in, out, last_cols, bias, prefetch);
 }
 
 // Panels [p_begin, p_end) of one matrix against its `rows` rows, V panels at a time and up to kTileAcc / V rows per
 // tile: as many accumulators as the registers hold (MB x V <= kTileAcc leaves room for the V weight vectors), and
 // several panels streaming at once when there are few rows (one row and one panel would wait on one chain of
 // multiply-adds). The first row block streams the panels from memory (prefetching); the others find
-// them in cache. Panels left over at the end (fewer than V) run one at a time.
-template <int V, typename W>
+// them in cache. Panels left over at the end (fewer than V) run one at a time (V = 1 only with XT: x's blocks are
+// transposed for one block height).
+template <int V, bool XT, typename W>
 inline void tiles(const float* x, const W* P, float* y, int64_t rows, int64_t p_begin, int64_t p_end, int64_t in,
                   int64_t out, const float* bias) {
   for (int64_t p = p_begin; p < p_end;) {
@@ -128,13 +130,13 @@ inline void tiles(const float* x, const W* P, float* y, int64_t rows, int64_t p_
     const int64_t last_cols = std::min<int64_t>(kPanel, out - (p + v - 1) * kPanel);
     if (v == V) {
       for (int64_t m = 0; m < rows; m += kTileAcc / V)
-        tile_rows<V>(std::min<int64_t>(kTileAcc / V, rows - m), x + m * in, P + p * in * kPanel,
+        tile_rows<V, XT>(std::min<int64_t>(kTileAcc / V, rows - m), x + m * in, P + p * in * kPanel,
                      y + m * out + p * kPanel, in, out, last_cols, bias == nullptr ? nullptr : bias + p * kPanel,
                      m == 0);
     } else {
       for (int64_t j = p; j < p + v; ++j)
         for (int64_t m = 0; m < rows; m += kTileAcc)
-          tile_rows<1>(std::min<int64_t>(kTileAcc, rows - m), x + m * in, P + j * in * kPanel,
+          tile_rows<1, false>(std::min<int64_t>(kTileAcc, rows - m), x + m * in, P + j * in * kPanel,
                        y + m * out + j * kPanel, in, out, j == p + v - 1 ? last_cols : kPanel,
                        bias == nullptr ? nullptr : bias + j * kPanel, m == 0);
     }
@@ -142,12 +144,48 @@ inline void tiles(const float* x, const W* P, float* y, int64_t rows, int64_t p_
   }
 }
 
+// Whether a matrix's `rows` rows run as one-panel tiles of kTileAcc rows, read from x's transposed blocks
+// (transpose_blocks): more than kTileAcc / 2 rows.
+inline bool tall(int64_t rows) { return rows > kTileAcc / 2; }
+
+// x's rows [rows, in] as blocks of kTileAcc rows (the last one shorter), each transposed to [in, mb]: a tile then reads
+// its MB values at step k from one place (x_t + k * MB), one address register for all rows. Read from the rows
+// themselves, a 16-row tile needs 16 row addresses: more than the general registers left beside the loop's, so the
+// compiler spilled them and moved them back per step through vector registers on the ports the multiply-adds use.
+// Measured on an Intel Xeon (AVX-512, 1 thread, benchmarks/bench_panel_matmul.py's shapes, 16 rows, weights cold,
+// process time, median of 7, the forms in turns): fp32 [768 x 192] 94 -> 81 us, bf16 [576 x 192] 71 -> 57 us,
+// [768 x 192] 90 -> 70 us; rows up to kTileAcc / 2 (several panels per tile, at most 8 rows) gained nothing, and stay
+// rows. A flash-25m decode step (16 rows, the two forms switched in turns in one process): fp32 19.3 -> 18.5 ms,
+// bf16 15.4 -> 15.2 ms (medians of 9 rounds on the shared machine).
+// A block of L rows (AVX-512's 16-row tiles) goes through register transposes of L x L (lanes.h), L values of each
+// row at a time; other block heights (AVX2's 12-row tiles, a shorter last block) element by element.
+void transpose_blocks(const float* x, float* xt, int64_t rows, int64_t in) {
+  using L = glm_lightning_ops::Lanes<float>;
+  for (int64_t m = 0; m < rows; m += kTileAcc) {
+    const int64_t mb = std::min<int64_t>(kTileAcc, rows - m);
+    const float* xb = x + m * in;
+    float* tb = xt + m * in;
+    int64_t k0 = 0;
+    if (mb == L::N) {
+      PVec r[L::N];
+      for (; k0 + L::N <= in; k0 += L::N) {
+        for (int64_t i = 0; i < L::N; ++i) r[i] = L::load(xb + i * in + k0);
+        L::transpose(r);  // r[j] lane i = x[i, k0 + j]
+        for (int64_t j = 0; j < L::N; ++j) L::store(tb + (k0 + j) * mb, r[j]);
+      }
+    }
+    for (int64_t k = k0; k < in; ++k)
+      for (int64_t i = 0; i < mb; ++i) tb[k * mb + i] = xb[i * in + k];
+  }
+}
+
+// x_t: x's transposed blocks where tall(rows), else unused.
 template <typename W>
-inline void matrix(const float* x, const W* P, float* y, int64_t rows, int64_t p_begin, int64_t p_end, int64_t in,
-                   int64_t out, const float* bias) {
-  if (rows > kTileAcc / 2) return tiles<1>(x, P, y, rows, p_begin, p_end, in, out, bias);
-  if (rows > kTileAcc / 4) return tiles<2>(x, P, y, rows, p_begin, p_end, in, out, bias);
-  return tiles<4>(x, P, y, rows, p_begin, p_end, in, out, bias);
+inline void matrix(const float* x, const float* x_t, const W* P, float* y, int64_t rows, int64_t p_begin,
+                   int64_t p_end, int64_t in, int64_t out, const float* bias) {
+  if (tall(rows)) return tiles<1, true>(x_t, P, y, rows, p_begin, p_end, in, out, bias);
+  if (rows > kTileAcc / 4) return tiles<2, false>(x, P, y, rows, p_begin, p_end, in, out, bias);
+  return tiles<4, false>(x, P, y, rows, p_begin, p_end, in, out, bias);
 }
 
 // Packing runs once per generation over every weight the decode reads (flash-25m: 127 packs), so each
@@ -224,13 +262,23 @@ void run_tasks(const float* xp, const W* pp, float* yp, const float* bp, const i
                int64_t in, int64_t out, int64_t panels) {
   constexpr int64_t CHUNK = 4;  // panels per task (64 outputs at 16 lanes; a [192, in] linear: 3 tasks)
   const int64_t per_e = (panels + CHUNK - 1) / CHUNK;
+  // The tall matrices' transposed blocks, once per call (every task of a matrix reads them); the buffer is this
+  // thread's, reused across calls (the decode makes ~130 a step).
+  thread_local std::vector<float> x_t;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = cp == nullptr ? M : cp[e];
+    if (!tall(rows)) continue;
+    if (static_cast<int64_t>(x_t.size()) < E * M * in) x_t.resize(E * M * in);
+    transpose_blocks(xp + e * M * in, x_t.data() + e * M * in, rows, in);
+  }
+  const float* tp = x_t.data();  // (read only where tall: then sized above)
   at::parallel_for(0, E * per_e, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t e = task / per_e, p_begin = (task % per_e) * CHUNK, p_end = std::min(panels, p_begin + CHUNK);
       const int64_t rows = cp == nullptr ? M : cp[e];
       if (rows == 0) continue;
-      matrix(xp + e * M * in, pp + e * panels * in * kPanel, yp + e * M * out, rows, p_begin, p_end, in, out,
-             bp == nullptr ? nullptr : bp + e * out);
+      matrix(xp + e * M * in, tall(rows) ? tp + e * M * in : nullptr, pp + e * panels * in * kPanel,
+             yp + e * M * out, rows, p_begin, p_end, in, out, bp == nullptr ? nullptr : bp + e * out);
     }
   });
 }
