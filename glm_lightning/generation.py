@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -235,10 +237,26 @@ def generate(
         if num_samples > 1:
             cache = cache.repeat_interleave(num_samples)
             logits = logits.repeat_interleave(num_samples, dim=0)
-        return _decode(model, cache, logits, max_new_tokens, temperature, top_k, top_p, eos_id, generator, stop_fn,
-                       banned_ids, compact)
+        with _no_gc_pauses():
+            return _decode(model, cache, logits, max_new_tokens, temperature, top_k, top_p, eos_id, generator,
+                           stop_fn, banned_ids, compact)
     finally:
         model.train(was_training)
+
+
+@contextmanager
+def _no_gc_pauses() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the decode loop (back as it was after): each step allocates a few
+    hundred short-lived objects, enough to trigger collections that walked the whole heap (1-2% of a flash-25m 16-row
+    step, perf samples, Intel Xeon, 1 thread); the loop makes no reference cycles, and reference counting still frees
+    everything at once."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _decode(model: torch.nn.Module, cache: ModelCache, logits: torch.Tensor, max_new_tokens: int,

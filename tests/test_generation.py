@@ -192,3 +192,26 @@ def test_bad_generation_arguments(kw, msg):
 def test_out_of_range_prompt_ids():
     with pytest.raises(ValueError, match="token ids"):
         generate(tiny(), torch.tensor([[TOK.bos_id, 9999]]))
+
+
+def test_decode_loop_runs_without_gc_pauses_and_restores_the_collector():
+    import gc
+
+    model = tiny()
+    seen = []
+
+    def stop_fn(tokens):
+        seen.append(gc.isenabled())
+        return False
+
+    prompt = torch.tensor([TOK.encode("def f(x):\n", bos=True)])
+    assert gc.isenabled()
+    force_token(model, ord("\n"))
+    generate(model, prompt, max_new_tokens=3, stop_fn=stop_fn)
+    assert seen and not any(seen) and gc.isenabled()  # off inside the loop, back on after
+    gc.disable()
+    try:
+        generate(model, prompt, max_new_tokens=2, stop_fn=stop_fn)
+        assert not gc.isenabled()  # a caller's own setting is left as it was
+    finally:
+        gc.enable()

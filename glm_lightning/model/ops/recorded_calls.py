@@ -47,6 +47,8 @@ class Call:
 
 
 def _copy(x: Any) -> Any:
+    if isinstance(x, mhc.StreamsLink):  # a linked site read's streams: replayed as the tensor (a link is used once)
+        x = x.x
     if isinstance(x, torch.Tensor):
         c = x.detach().clone()
         return c.requires_grad_() if x.requires_grad and c.is_floating_point() else c
