@@ -101,8 +101,11 @@ class KeptPanels:
 
     def derive(self, key: Hashable, sources: Sequence[Tensor], build: Callable[[], Tensor]) -> Tensor:
         """``build()``'s matrix made from ``sources``, kept under ``key`` while they stay as they were (so that the
-        panels packed from it are kept too)."""
+        panels packed from it are kept too); built afresh each time where a source is not a parameter."""
         sources = tuple(sources)
+        if not all(isinstance(s, nn.Parameter) for s in sources):  # e.g. a LoRA-parametrized weight, computed anew
+            with torch.inference_mode(False), torch.no_grad():    # on every access (in inference mode: no counter)
+                return build()
         held = self.derived.get(key)
         if held is None or len(held.sources) != len(sources) or any(a is not b for a, b in zip(held.sources, sources)):
             self._see(sources)
