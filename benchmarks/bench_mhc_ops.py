@@ -129,23 +129,29 @@ def base_step_patches(stack: ExitStack) -> None:
         lambda h, maps: (h, None if maps is None else maps[:2]))(*read(self, x))))
 
 
-def compare_steps(rounds: int, steps: int) -> None:
+def steps_in_turns(rounds: int, steps: int, forms: dict[str, Callable[[ExitStack], None]]) -> dict[str, list[float]]:
+    """CPU seconds of flash-25m training steps (32 x 128) under each form (a function entering its patches on the
+    stack), the forms taking turns: per round and form one untimed step after the switch, then ``steps`` timed."""
     from benchmarks.profile_step import build, make_optimizer, train_step
 
     model, batch, seq = build("flash-25m")
     opt = make_optimizer(model)
     ids = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    times: dict[str, list[float]] = {"base": [], "this tree": []}
+    times: dict[str, list[float]] = {form: [] for form in forms}
     for _ in range(rounds):
-        for form in times:
+        for form, patch in forms.items():
             with ExitStack() as stack:
-                if form == "base":
-                    base_step_patches(stack)
+                patch(stack)
                 train_step(model, opt, ids)  # untimed after a switch
                 for _ in range(steps):
                     t = time.process_time()
                     train_step(model, opt, ids)
                     times[form].append(time.process_time() - t)
+    return times
+
+
+def compare_steps(rounds: int, steps: int) -> None:
+    times = steps_in_turns(rounds, steps, {"base": base_step_patches, "this tree": lambda stack: None})
     b, t = (statistics.median(v) for v in times.values())
     print(f"flash-25m training step 32 x 128, CPU s (median of {rounds} x {steps}): base {b:.3f}, this tree {t:.3f}, "
           f"{b / t:.3f}x")
@@ -186,21 +192,13 @@ def compare_linked_ops(rounds: int) -> None:
 
 def compare_linked_steps(rounds: int, steps: int) -> None:
     """Whole flash-25m training steps with the sites' writes linked and not, taking turns."""
-    from benchmarks.profile_step import build, make_optimizer, train_step
     from glm_lightning.model.ops import mhc as mhc_ops
 
-    model, batch, seq = build("flash-25m")
-    opt = make_optimizer(model)
-    ids = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for _ in range(rounds):
-        for form in times:
-            with mock.patch.object(mhc_ops, "LINK_WRITES", form):
-                train_step(model, opt, ids)  # untimed after a switch
-                for _ in range(steps):
-                    t = time.process_time()
-                    train_step(model, opt, ids)
-                    times[form].append(time.process_time() - t)
+    def linking(on: bool) -> Callable[[ExitStack], None]:
+        return lambda stack: stack.enter_context(mock.patch.object(mhc_ops, "LINK_WRITES", on))
+
+    named = steps_in_turns(rounds, steps, {"unlinked": linking(False), "linked": linking(True)})
+    times = {False: named["unlinked"], True: named["linked"]}
     u, k = (statistics.median(v) for v in times.values())
     print(f"flash-25m training step 32 x 128, CPU s (median of {rounds} x {steps}): unlinked {u:.3f}, linked {k:.3f}, "
           f"{u / k:.3f}x; per round: " + " ".join(f"{a / b:.3f}" for a, b in zip(times[False], times[True])))
