@@ -70,9 +70,9 @@ def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: s
         acc["calls"] += 1
         acc["bytes"] += matrix_bytes * (matrices if counts is None else int((counts > 0).sum()))
 
-    def timed_small(x2, weight, counts, bias=None):
+    def timed_small(x2, weight, counts, bias=None, swiglu=False):
         t = time.perf_counter()
-        y = small(x2, weight, counts, bias)
+        y = small(x2, weight, counts, bias, swiglu)
         count(t, counts, weight.shape[-2] * weight.shape[-1] * weight.element_size(), 1)
         return y
 

@@ -29,9 +29,9 @@ class KDACache:
     conv_state: Tensor
     state: Tensor
     in_weights: tuple[Tensor, Tensor] | None = None
-    """The layer's fused input projections for this decode (built on first use). They live with the cache, not the
-    layer, because weights cannot change during one generation but do between generations, and an optimizer that
-    writes in place need not bump the version counter (fused AdamW does not), so no cache key on the layer is safe."""
+    """The layer's fused input projections for this decode: set by ``model.new_cache`` from the model's kept panels
+    (model/kept_panels.py, which sees a change of their parts, also through writes that bump no version counter),
+    else built on first use. Weights cannot change during one generation."""
 
     @classmethod
     def empty(cls, batch: int, cfg: GLMConfig, device: torch.device | str | None = None) -> KDACache:

@@ -44,6 +44,7 @@ def _samples(tensors: Sequence[Tensor]) -> Tensor:
 
 
 def _strided(t: Tensor) -> Tensor:
+    """~SAMPLES elements of t, evenly strided (the first included): a view where t is contiguous fp32."""
     n = t.numel()
     step = max(1, n // SAMPLES)
     if t.is_contiguous():  # one op: a strided view of the storage
@@ -73,11 +74,10 @@ class KeptPanels:
         """source -> (its stamp, its sampled elements) when first used."""
 
     def _see(self, sources: Sequence[Tensor]) -> None:
-        new = [s for s in sources if s not in self._seen]
-        if new:
-            with torch.inference_mode(False), torch.no_grad():
-                for src, sample in zip(new, _samples(new).split([_count(s) for s in new])):
-                    self._seen[src] = (_stamp(src), sample)
+        with torch.inference_mode(False), torch.no_grad():
+            for src in sources:
+                if src not in self._seen:
+                    self._seen[src] = (_stamp(src), _strided(src).clone())  # a view would follow the weight
 
     def refresh(self, params: Sequence[Tensor]) -> None:
         """Drop whatever was made from weights that changed or left the model (``params``: its parameters now)."""
@@ -126,11 +126,6 @@ class KeptPanels:
 
     def __len__(self) -> int:
         return len(self.panels)
-
-
-def _count(t: Tensor) -> int:
-    n = t.numel()
-    return len(range(0, n, max(1, n // SAMPLES)))
 
 
 _kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -53,10 +53,12 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb
 
 
-def small_matmul(x2: Tensor, weight: Tensor, counts: Tensor | None, bias: Tensor | None = None) -> Tensor:
+def small_matmul(x2: Tensor, weight: Tensor, counts: Tensor | None, bias: Tensor | None = None,
+                 swiglu: bool = False) -> Tensor:
     """x2 [rows, in] W^T + bias (or per expert: x2 [E, cap, in] against weight [E, out, in] over ``counts`` [E] real
-    rows) through the C++ op: each weight row streamed once."""
-    return torch.ops.glm_lightning.small_matmul(x2, weight, counts, bias)
+    rows) through the C++ op: each weight row streamed once. ``swiglu``: W = [W_gate; W_up], SiLU(gate) * up of the
+    sums just made (the C++ SwiGLU's values bit for bit)."""
+    return torch.ops.glm_lightning.small_matmul(x2, weight, counts, bias, swiglu=swiglu)
 
 
 PANELS = True
@@ -83,8 +85,8 @@ def packed_weights(store: dict[Tensor, Tensor] | None) -> Iterator[None]:
 
 def packed(weight: Tensor) -> Tensor | None:
     """weight [out, in] (or [E, out, in]) packed into output panels for :func:`panel_matmul`, packed on first use
-    within the decode in progress unless the model kept it from an earlier one (model/kept_panels.py), in the store's ``dtype`` (cache.PanelStore: fp32 or bf16; a plain dict: the
-    weight's); None outside one."""
+    within the decode in progress unless the model kept it from an earlier one (model/kept_panels.py), in the
+    store's ``dtype`` (cache.PanelStore: fp32 or bf16; a plain dict: the weight's); None outside one."""
     if _packs is None:
         return None
     p = _packs.get(weight)

@@ -243,7 +243,7 @@ def _experts_small(x: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, slot
     p_gate_up = matmul.packed(w_gate_up) if matmul._packs is not None else None
     if p_gate_up is None:
         if backend.takes(xs, op="swiglu", bf16=True):
-            a = torch.ops.glm_lightning.small_matmul(xs, w_gate_up, counts, None, swiglu=True)
+            a = small_matmul(xs, w_gate_up, counts, swiglu=True)
         else:
             a = _swiglu_act(small_matmul(xs, w_gate_up, counts))
         y_pad = small_matmul(a, w_down, counts).view(E * cap, d)
@@ -349,7 +349,7 @@ def swiglu_mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
     experts run there, two ``small_matmul`` calls, the first applying the SwiGLU to its sums (:func:`_shared_small`)."""
     if _shared_small(x, w_gate_up, w_down):
         x2 = x.reshape(-1, x.shape[-1])
-        a = torch.ops.glm_lightning.small_matmul(x2, w_gate_up, None, None, swiglu=True)
+        a = small_matmul(x2, w_gate_up, None, swiglu=True)
         return small_matmul(a, w_down, None).view(*x.shape[:-1], w_down.shape[0])
     hgu = linear(x, w_gate_up)
     return linear(_SwiGLU.apply(hgu) if backend.needs_grad(hgu) else _swiglu_act(hgu), w_down)
