@@ -91,6 +91,7 @@ class Case:
     disk: str | None = None  # "flushes" / "reads": judged by the host's disk counters, not by a verdict
     cold: bool = False  # COLD evicted before; works iff the receiver sees it warm after the sender, not before
     open_reason: str | None = None  # set: not closed here; xfail(strict) with this reason
+    tries: int = 1  # a defence-off run that must work counts as working if any of this many runs sees the channel
 
 
 CASES = [
@@ -142,7 +143,11 @@ CASES = [
          attack("def _attack():\n    try:\n        for i in range(16):\n"
                 "            with open(f'fill{i}', 'wb') as fh:\n                fh.write(b'y' * (1 << 20))\n"
                 "    except OSError as exc:\n        return exc.errno == 28\n    return False\n"),
-         [("sendmsg", False), ("sendmsg,fresh_tmpfs", True)], workers=1),
+         [("sendmsg", False), ("sendmsg,fresh_tmpfs", True)], workers=1,
+         # The kernel's unix-socket garbage collector frees the orphaned cycle (and with it the blobs) as soon as any
+         # unix socket on the host is released: under pytest-xdist another worker's test can do that between sender
+         # and receiver (checked by hand: closing a socketpair between them makes the receiver miss every time).
+         tries=3),
     Case("socket_cycle_visible_to_next_job", 3, "sequential",
          attack(SCM + "def _attack():\n    a, b = socket.socketpair()\n    send_fds(a, [a.fileno(), b.fileno()])\n"
                 "    return False\n"),
@@ -372,6 +377,13 @@ def test_channel(case: Case, off: str, works: bool) -> None:
             # flush as much in the same second; a working attack shows every time, the neighbours' noise not
             again, more = attack_worked(case, v)
             seen, details = seen and again, details + more
+        for _ in range(case.tries - 1 if works and not seen else 0):
+            # a demonstration the host's kernel can defuse by chance (Case.tries says how); the defended run gets
+            # one try and must fail
+            seen, more = attack_worked(case, v)
+            details += more
+            if seen:
+                break
     assert seen is works, details
 
 
