@@ -122,13 +122,21 @@ def compare_ops(rounds: int) -> None:
         print(f"{op:<30}{b:>8.2f}{t:>11.2f}{b / t:>8.2f}x{'bit for bit' if same else 'no':>13}")
 
 
+LINKED = ("site_read_backward_linked", "stream_write_backward_linked", "sinkhorn", "sinkhorn_backward")
+"""The further ops a base with linked writes runs as its own (then its steps keep the linked data flow)."""
+
+
 def base_step_patches(stack: ExitStack) -> None:
-    """A training step as the base ran it: its kernels, and the write taking x itself (autograd adds the two
-    gradients of the streams)."""
+    """A training step as the base ran it: its kernels, and (a base without linked writes) the write taking x itself
+    (autograd adds the two gradients of the streams)."""
     from glm_lightning.model.mhc import HyperConnection
 
     from glm_lightning.model.ops import mhc as mhc_ops
 
+    if hasattr(torch.ops.glm_base, LINKED[0]):
+        for name in PATCHED + LINKED:
+            stack.enter_context(mock.patch.object(torch.ops.glm_lightning, name, getattr(torch.ops.glm_base, name)))
+        return
     stack.enter_context(mock.patch.object(mhc_ops, "LINK_WRITES", False))  # the base had no linked write
     for name in PATCHED:
         op = getattr(torch.ops.glm_base, name)

@@ -469,47 +469,71 @@ inline void dphi_chunk(const T* __restrict draw, const T* __restrict x, T* __res
 // then + res^T g (linked) or + acc (the streams' other gradient), in backward_core's order (its dx passes: the init,
 // draw_products, the write's add), so the same values.
 // C is a multiple of kLanes here, so a vector of channels lies in one stream.
-template <typename T, int NT, int NS>
-inline void dx_block(const SiteGrads<T>& a, const T* __restrict draw, const T* __restrict coef, int64_t t0, int64_t nt_rt,
-                     int64_t n_rt, int64_t C, T* __restrict dxp, bool streaming) {
+// dx_block's tile: the block's tokens x V vectors of channels from c (in stream i), V phi loads and NT broadcasts per
+// NT x V FMAs (V = 2: 10 loads per 16 FMAs; one vector was 9 per 8, bound by the loads).
+template <typename T, int NT, int NS, int V>
+[[gnu::always_inline]] inline void dx_tile(const SiteGrads<T>& a, const T* __restrict draw, const T* __restrict coef,
+                                           int64_t t0, int64_t nt_rt, int64_t n_rt, int64_t C, int64_t i, int64_t c,
+                                           T* __restrict dxp, bool streaming) {
   using Lv = Lanes<T>;
   using Vec = typename Lv::Vec;
   constexpr int kMax = NT > 0 ? NT : kSiteBlock;
   const int64_t nt = NT > 0 ? NT : nt_rt, n = NS > 0 ? NS : n_rt, nC = n * C, L = n * n + 2 * n, nn = n * n;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t c = i * C; c < (i + 1) * C; c += kLanes) {
-      Vec acc[kMax];
-      for (int64_t t = 0; t < nt; ++t) {
-        const int64_t tok = t0 + t;
-        const T w = a.gates[tok * 2 * n + i], k = coef[t];
-        acc[t] = w * Lv::load(a.dh + tok * C + c - i * C) - k * Lv::load(a.x + tok * nC + c);
-      }
-      for (int64_t l = 0; l < L; ++l) {
-        const Vec p = Lv::load(a.phi + l * nC + c);
-        for (int64_t t = 0; t < nt; ++t) acc[t] += draw[t * L + l] * p;
-      }
-      if (a.g != nullptr) {
+  if (nt > kMax) __builtin_unreachable();  // (a partial block: GCC warned of stores past acc otherwise)
+  Vec acc[kMax][V];
+  for (int64_t t = 0; t < nt; ++t) {
+    const int64_t tok = t0 + t;
+    const T w = a.gates[tok * 2 * n + i], k = coef[t];
+    for (int v = 0; v < V; ++v)
+      acc[t][v] = w * Lv::load(a.dh + tok * C + c - i * C + v * kLanes) -
+                  k * Lv::load(a.x + tok * nC + c + v * kLanes);
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    Vec p[V];
+    for (int v = 0; v < V; ++v) p[v] = Lv::load(a.phi + l * nC + c + v * kLanes);
+    for (int64_t t = 0; t < nt; ++t) {
+      const T d = draw[t * L + l];
+      for (int v = 0; v < V; ++v) acc[t][v] += d * p[v];
+    }
+  }
+  if (a.g != nullptr) {
 #pragma GCC unroll 8
-        for (int64_t t = 0; t < nt; ++t) {
-          const int64_t tok = t0 + t;
-          const T* r = a.res + tok * nn;
-          Vec s = {};
-          for (int64_t j = 0; j < n; ++j) s += r[j * n + i] * Lv::load(a.g + tok * nC + j * C + c - i * C);
-          acc[t] = acc[t] + s;
-        }
-      } else if (a.acc != nullptr) {
-#pragma GCC unroll 8
-        for (int64_t t = 0; t < nt; ++t) acc[t] = acc[t] + Lv::load(a.acc + (t0 + t) * nC + c);
-      }
-#pragma GCC unroll 8
-      for (int64_t t = 0; t < nt; ++t) {
-        T* out = dxp + (t0 + t) * nC + c;
-        if (streaming)
-          glm_lightning_ops::store_streaming<T>(out, acc[t]);
-        else
-          Lv::store(out, acc[t]);
+    for (int64_t t = 0; t < nt; ++t) {
+      const int64_t tok = t0 + t;
+      const T* r = a.res + tok * nn;
+      for (int v = 0; v < V; ++v) {
+        Vec s = {};
+        for (int64_t j = 0; j < n; ++j) s += r[j * n + i] * Lv::load(a.g + tok * nC + j * C + c - i * C + v * kLanes);
+        acc[t][v] = acc[t][v] + s;
       }
     }
+  } else if (a.acc != nullptr) {
+#pragma GCC unroll 8
+    for (int64_t t = 0; t < nt; ++t)
+      for (int v = 0; v < V; ++v) acc[t][v] = acc[t][v] + Lv::load(a.acc + (t0 + t) * nC + c + v * kLanes);
+  }
+#pragma GCC unroll 8
+  for (int64_t t = 0; t < nt; ++t)
+    for (int v = 0; v < V; ++v) {
+      T* out = dxp + (t0 + t) * nC + c + v * kLanes;
+      if (streaming)
+        glm_lightning_ops::store_streaming<T>(out, acc[t][v]);
+      else
+        Lv::store(out, acc[t][v]);
+    }
+}
+
+template <typename T, int NT, int NS>
+inline void dx_block(const SiteGrads<T>& a, const T* __restrict draw, const T* __restrict coef, int64_t t0, int64_t nt_rt,
+                     int64_t n_rt, int64_t C, T* __restrict dxp, bool streaming) {
+  const int64_t n = NS > 0 ? NS : n_rt;
+  constexpr int64_t kPair = 2 * kLanes;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t c = i * C;
+    for (; c + kPair <= (i + 1) * C; c += kPair)
+      dx_tile<T, NT, NS, 2>(a, draw, coef, t0, nt_rt, n, C, i, c, dxp, streaming);
+    for (; c < (i + 1) * C; c += kLanes) dx_tile<T, NT, NS, 1>(a, draw, coef, t0, nt_rt, n, C, i, c, dxp, streaming);
+  }
 }
 
 // backward_core in phases over each chunk of kSiteChunk tokens (their x, g, dh and dx stay in L2): the write's H_res
