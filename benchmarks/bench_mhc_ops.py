@@ -76,12 +76,13 @@ def op_inputs(gen: torch.Generator, N: int = 4096, n: int = 4, C: int = 192, ns:
     d.update(gates=gates, post=gates[:, n:], res=torch.softmax(torch.randn(N, n, n, generator=gen), -1),
              y=torch.randn(N, C, generator=gen), g=torch.randn(N, n, C, generator=gen),
              dh=torch.randn(N, C, generator=gen), dpost=torch.randn(N, n, generator=gen),
-             dres=torch.randn(N, n, n, generator=gen))
+             dres=torch.randn(N, n, n, generator=gen), soft=torch.softmax(torch.randn(N, n, n, generator=gen), -1))
     return d
 
 
 def op_calls(ns: object, d: dict[str, torch.Tensor]) -> dict[str, Callable[[], object]]:
-    return {
+    """The compared calls; the linked ones and Sinkhorn's only where both forms have them (a base may predate them)."""
+    calls = {
         "site_read": lambda: ns.site_read(d["x"], d["phi"], d["alpha_e"], d["bias"], d["scale"], d["shift"], 1e-5),
         "site_read_backward": lambda: ns.site_read_backward(d["dh"], d["dpost"], d["dres"], d["x"], d["phi"],
                                                             d["alpha_e"], d["scale"], d["inv"], d["raw"], d["sig"],
@@ -89,6 +90,16 @@ def op_calls(ns: object, d: dict[str, torch.Tensor]) -> dict[str, Callable[[], o
         "stream_write": lambda: ns.stream_write(d["res"], d["x"], d["post"], d["y"]),
         "stream_write_backward": lambda: ns.stream_write_backward(d["g"], d["res"], d["x"], d["post"], d["y"]),
     }
+    if all(hasattr(form, "site_read_backward_linked") for form in (torch.ops.glm_base, torch.ops.glm_lightning)):
+        calls.update({
+            "site_read_backward_linked": lambda: ns.site_read_backward_linked(
+                d["dh"], d["dpost"], None, d["g"], d["res"], d["soft"], 20, 1e-6, d["x"], d["phi"], d["alpha_e"],
+                d["scale"], d["inv"], d["raw"], d["sig"], d["gates"]),
+            "stream_write_backward_linked": lambda: ns.stream_write_backward_linked(d["g"], d["post"], d["y"]),
+            "sinkhorn": lambda: ns.sinkhorn(d["dres"], 20, 1e-6),
+            "sinkhorn_backward": lambda: ns.sinkhorn_backward(d["dres"], d["soft"], 20, 1e-6),
+        })
+    return calls
 
 
 def compare_ops(rounds: int) -> None:
@@ -102,22 +113,30 @@ def compare_ops(rounds: int) -> None:
                 t = time.process_time()
                 call()
                 ms.setdefault((form, op), []).append((time.process_time() - t) * 1e3)
-    print(f"{'op, ms per call (median)':<26}{'base':>8}{'this tree':>11}{'speedup':>9}{'same values':>13}")
+    print(f"{'op, ms per call (median)':<30}{'base':>8}{'this tree':>11}{'speedup':>9}{'same values':>13}")
     for op in op_calls(torch.ops.glm_base, sets[0]):
         outs = [op_calls(ns, sets[0])[op]() for ns in forms.values()]
         outs = [o if isinstance(o, tuple | list) else (o,) for o in outs]
         same = all(torch.equal(a, b) for a, b in zip(*outs))
         b, t = (statistics.median(ms[(f, op)]) for f in forms)
-        print(f"{op:<26}{b:>8.2f}{t:>11.2f}{b / t:>8.2f}x{'bit for bit' if same else 'no':>13}")
+        print(f"{op:<30}{b:>8.2f}{t:>11.2f}{b / t:>8.2f}x{'bit for bit' if same else 'no':>13}")
+
+
+LINKED = ("site_read_backward_linked", "stream_write_backward_linked", "sinkhorn", "sinkhorn_backward")
+"""The further ops a base with linked writes runs as its own (then its steps keep the linked data flow)."""
 
 
 def base_step_patches(stack: ExitStack) -> None:
-    """A training step as the base ran it: its kernels, and the write taking x itself (autograd adds the two
-    gradients of the streams)."""
+    """A training step as the base ran it: its kernels, and (a base without linked writes) the write taking x itself
+    (autograd adds the two gradients of the streams)."""
     from glm_lightning.model.mhc import HyperConnection
 
     from glm_lightning.model.ops import mhc as mhc_ops
 
+    if hasattr(torch.ops.glm_base, LINKED[0]):
+        for name in PATCHED + LINKED:
+            stack.enter_context(mock.patch.object(torch.ops.glm_lightning, name, getattr(torch.ops.glm_base, name)))
+        return
     stack.enter_context(mock.patch.object(mhc_ops, "LINK_WRITES", False))  # the base had no linked write
     for name in PATCHED:
         op = getattr(torch.ops.glm_base, name)
@@ -162,8 +181,6 @@ def compare_linked_ops(rounds: int) -> None:
     against the linked ones (the write's d H_post / d y only, the read's forming the rest), alternated."""
     ns = torch.ops.glm_lightning
     sets = [op_inputs(torch.Generator().manual_seed(i), ns=ns) for i in range(6)]
-    for d in sets:
-        d["soft"] = torch.softmax(torch.randn(d["res"].shape), -1)
 
     def unlinked(d: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         dres, gx, dpost, dy = ns.stream_write_backward(d["g"], d["res"], d["x"], d["post"], d["y"])

@@ -12,7 +12,7 @@
 #include <type_traits>
 
 #if defined(__x86_64__) || defined(_M_X64)
-#include <xmmintrin.h>
+#include <immintrin.h>
 #endif
 
 namespace glm_lightning_ops {
@@ -30,6 +30,45 @@ struct FlushDenormals {
   ~FlushDenormals() { _mm_setcsr(saved); }
 #endif
 };
+
+// One vector of lanes.h stored past the cache (a non-temporal store) where the target has one for fp32 at its width,
+// else an ordinary store: for outputs of many MB that no one reads soon (an mHC gradient of the streams, 12.6 MB per
+// flash-25m site), so the store does not first read the line from memory (an ordinary store's read-for-ownership is a
+// third of such a kernel's traffic). p must be aligned to the vector (callers check with streaming_aligned); a kernel
+// that stores this way calls streaming_done() before its output is read (the stores are weakly ordered).
+template <typename T>
+inline void store_streaming(T* p, const typename Lanes<T>::Vec& v) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && sizeof(v) == 64) {
+    __m512 r;
+    std::memcpy(&r, &v, 64);
+    return _mm512_stream_ps(reinterpret_cast<float*>(p), r);
+  }
+#elif defined(__AVX__)
+  if constexpr (std::is_same_v<T, float> && sizeof(v) == 32) {
+    __m256 r;
+    std::memcpy(&r, &v, 32);
+    return _mm256_stream_ps(reinterpret_cast<float*>(p), r);
+  }
+#endif
+  Lanes<T>::store(p, v);
+}
+
+// Whether an output of `count` elements at p should take store_streaming: aligned to one vector, and larger than a
+// core's L2 cache (a smaller one, e.g. a decode step's, is better left in the cache for the op that reads it next).
+template <typename T>
+inline bool streaming_output(const T* p, int64_t count) {
+  constexpr int64_t kLargeBytes = int64_t{4} << 20;
+  return reinterpret_cast<std::uintptr_t>(p) % sizeof(typename Lanes<T>::Vec) == 0 &&
+         count * static_cast<int64_t>(sizeof(T)) >= kLargeBytes;
+}
+
+// Orders the calling thread's streaming stores before its later stores (x86 sfence; elsewhere nothing to do).
+inline void streaming_done() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_sfence();
+#endif
+}
 
 // Calls fn.template operator()<KK, VV>() with the compile-time sizes for (K, V) in {16, 32, 64}^2 (same), else <0, 0>:
 // the common head sizes, so that a head's rows stay in registers.
