@@ -343,10 +343,34 @@ def test_segment_experts_gradcheck():
                                     (x, w, wgu, wd), fast_mode=True)
 
 
+def test_segment_experts_for_balanced_loads_from_segment_tokens(monkeypatch):
+    """As shipped (SEGMENT_PADDING 1.0), calls from SEGMENT_TOKENS on run the segments even with balanced loads (the
+    padding rows cost GEMM flops); smaller calls keep the padded batch."""
+    assert thresholds.DEFAULTS["SEGMENT_PADDING"] == 1.0
+    m = make(seed=6)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING", thresholds.DEFAULTS["SEGMENT_PADDING"])
+    calls = []
+    real = moe_mod._SegmentExperts.apply
+    monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(1, 400, 16)
+    m.expert_bias.copy_(torch.tensor([0.0, -0.02, 0.01, 0.02]))
+    with torch.no_grad():
+        loads = torch.bincount(m.route(x.view(400, 16))[1].flatten(), minlength=4)
+        assert 4 * int(loads.max()) < 1.25 * 800  # balanced
+        monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 401)
+        m(x)
+        assert not calls
+        monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 400)
+        m(x)
+    assert calls == [1]
+
+
 def test_segment_experts_only_for_unequal_loads(monkeypatch):
-    """Balanced loads keep the padded batch (fewer dispatched ops); a skewed router switches to the segments."""
+    """With SEGMENT_PADDING above 1, balanced loads keep the padded batch (fewer dispatched ops); a skewed router
+    switches to the segments."""
     m = make(seed=6)
     monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.25)
     calls = []
     real = moe_mod._SegmentExperts.apply
     monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))

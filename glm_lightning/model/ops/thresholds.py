@@ -52,12 +52,17 @@ slower than BLAS (see SMALL_ROWS): 0 there (the panel form is not measured there
 only, never on the routing."""
 
 SEGMENT_TOKENS = 2048
-SEGMENT_PADDING = 1.25
+SEGMENT_PADDING = 1.0
 """MoE calls with at least SEGMENT_TOKENS tokens whose padded batch would be at least SEGMENT_PADDING times the real
-assignments (the largest load 25% above the mean) run per expert segment (no padding): a 96-prompt RL prefill, 1.26x
-faster. Otherwise the padded batch stays: ~330 fewer dispatched ops per layer (fwd + bwd), which the dispatch-bound
-study model and balanced loads need more (a fresh flash-25m at 32 x 128: largest load 1.07-1.18x the mean per layer;
-there the two were within noise of each other)."""
+assignments run per expert segment (no padding); 1.0: every call from SEGMENT_TOKENS on. First 1.25 (the largest load
+25% above the mean: a 96-prompt RL prefill, 1.26x faster), with balanced loads left on the padded batch for its ~330
+fewer dispatched ops per layer (fwd + bwd). Measured in CPU time, forms in turns (issue 49, Intel Xeon AVX-512 + AMX,
+1 thread, ``python -m benchmarks.bench_moe_train --step``): at flash-25m's 4,096 tokens the segments win already
+with balanced loads (a fresh layer's largest load is 1.07-1.18x the mean): 1.03x at 1.01x, 1.11-1.16x at 1.09x, 1.22x
+at 1.21x (one layer's experts fwd + bwd, the same values bit for bit there), a whole training step 1.05x; the study
+model's layer (d 48, 1,024 tokens) 1.01x at 1.04x, 1.10x at 1.07x. The padding's zero rows cost their full GEMM
+flops (7-18% of the routed GEMMs), far more than the dispatches at these sizes; SEGMENT_TOKENS (the op table's,
+per CPU) keeps small calls on the padded batch."""
 
 DECODE_GATHER_MIN_KEYS_PER_TOP_K = 4
 """A DSA decode step (one query per row) gathers its top-k keys and values once the cache holds at least this many

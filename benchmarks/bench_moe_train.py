@@ -1,0 +1,142 @@
+"""One flash-25m MoE layer's routed experts in training (forward + backward) at 32 x 128 tokens, the forms of
+glm_lightning/model/ops/moe.py alternated in one process, each call timed in CPU time (1 thread by default):
+
+- ``padded``: the zero-padded [E, max load, d] batch (_GroupedExperts: two bmm forward, four backward);
+- ``segment``: each expert on its own rows (_SegmentExperts: per-expert mm, no padding rows computed).
+
+Routings with the busiest expert at a few loads over the mean (a fresh flash-25m layer: 1.07-1.18x), and the ops'
+CPU time and minor page faults (``resource.getrusage``) per call. Outputs and gradients are compared between forms.
+
+    python -m benchmarks.bench_moe_train [--rounds 9] [--threads 1] [--skew 1.0 1.1 1.25] [--step]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from glm_lightning.model import GLMConfig
+from glm_lightning.model.ops import moe, thresholds
+
+FORMS = {"padded": 1e30, "segment": 1.0}
+"""Each form as the SEGMENT_PADDING that selects it at flash-25m's 4,096 tokens (SEGMENT_TOKENS set to 1)."""
+
+
+@contextmanager
+def form(name: str) -> Iterator[None]:
+    """Run moe_experts in the named form (thresholds restored after)."""
+    old = thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING
+    thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING = 1, FORMS[name]
+    try:
+        yield
+    finally:
+        thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING = old
+
+
+def routing(tokens: int, E: int, K: int, skew: float, seed: int) -> torch.Tensor:
+    """Choices idx [tokens, K] (distinct experts per token), expert 0 weighted ``skew`` (busier than the rest)."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.ones(E)
+    p[0] = skew  # sampled without replacement: the realised skew is printed
+    return torch.multinomial(p.expand(tokens, E), K, replacement=False, generator=g)
+
+
+def layer_call(cfg: GLMConfig, tokens: int, skew: float, seed: int = 0) -> tuple[Callable[[], list[torch.Tensor]],
+                                                                                  float]:
+    """fwd + bwd of one layer's routed experts; returns the call (giving y and the gradients) and the real skew."""
+    g = torch.Generator().manual_seed(seed)
+    E, K, d, h = cfg.n_experts, cfg.moe_top_k, cfg.d_model, cfg.expert_hidden
+    idx = routing(tokens, E, K, skew, seed)
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    x = torch.randn(tokens, d, generator=g).requires_grad_()
+    w = torch.rand(tokens, K, generator=g).requires_grad_()
+    wgu = (0.05 * torch.randn(E, 2 * h, d, generator=g)).requires_grad_()
+    wd = (0.05 * torch.randn(E, d, h, generator=g)).requires_grad_()
+    dy = torch.randn(tokens, d, generator=g)
+
+    def run() -> list[torch.Tensor]:
+        y = moe.moe_experts(x, idx, w, wgu, wd, counts)
+        return [y.detach(), *torch.autograd.grad(y, (x, w, wgu, wd), dy)]
+
+    return run, float(counts.max()) * E / (tokens * K)
+
+
+def in_turns(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, tuple[float, float]]:
+    """Median CPU seconds and minor faults per call of each form, the forms alternated round by round."""
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    faults: dict[str, list[int]] = {k: [] for k in calls}
+    for f in calls.values():
+        f()
+    for _ in range(rounds):
+        for k, f in calls.items():
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
+            f()
+            times[k].append(time.process_time() - t0)
+            faults[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+    return {k: (statistics.median(times[k]), statistics.median(faults[k])) for k in calls}
+
+
+def compare(cfg: GLMConfig, tokens: int, skew: float, rounds: int) -> None:
+    """One table row per form at one routing skew; outputs checked against the padded form."""
+    run, real = layer_call(cfg, tokens, skew)
+    outs, calls = {}, {}
+    for name in FORMS:
+        def call(name: str = name) -> list[torch.Tensor]:
+            with form(name):
+                return run()
+        calls[name] = call
+        outs[name] = call()
+    diff = max(float((a - b).abs().max()) for a, b in zip(outs["padded"], outs["segment"]))
+    res = in_turns(calls, rounds)
+    base = res["padded"][0]
+    for name, (t, flt) in res.items():
+        print(f"{real:5.2f}x  {name:8s} {t * 1e3:8.2f} ms  {base / t:5.2f}x  {flt:7.0f} faults  max|diff| {diff:.1e}")
+
+
+def steps(rounds: int) -> None:
+    """Whole flash-25m training steps (32 x 128, fwd + bwd + AdamW) with each form, alternated step by step."""
+    from benchmarks.profile_step import build, make_optimizer, train_step
+    model, B, T = build("flash-25m")
+    opt = make_optimizer(model)
+    ids = torch.randint(0, model.cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
+    calls = {}
+    for name in FORMS:
+        def call(name: str = name) -> None:
+            with form(name):
+                train_step(model, opt, ids)
+        calls[name] = call
+    for f in calls.values():  # a second warm-up: the allocator settles after two steps
+        f()
+    res = in_turns(calls, rounds)
+    base = res["padded"][0]
+    for name, (t, flt) in res.items():
+        print(f"step     {name:8s} {t * 1e3:8.1f} ms  {base / t:5.2f}x  {flt:7.0f} faults")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=32 * 128)
+    ap.add_argument("--skew", type=float, nargs="+", default=[1.0, 1.1, 1.25])
+    ap.add_argument("--step", action="store_true", help="also whole training steps, the forms in turns")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = GLMConfig.preset("flash-25m")
+    print(f"flash-25m routed experts fwd+bwd, {args.tokens} tokens, {torch.get_num_threads()} thread(s), CPU time, "
+          f"medians of {args.rounds} in turns")
+    print("busiest  form          time  vs padded   faults")
+    for skew in args.skew:
+        compare(cfg, args.tokens, skew, args.rounds)
+    if args.step:
+        steps(args.rounds)
+
+
+if __name__ == "__main__":
+    main()
