@@ -7,7 +7,7 @@ glm_lightning/model/ops/moe.py alternated in one process, each call timed in CPU
 Routings with the busiest expert at a few loads over the mean (a fresh flash-25m layer: 1.07-1.18x), and the ops'
 CPU time and minor page faults (``resource.getrusage``) per call. Outputs and gradients are compared between forms.
 
-    python -m benchmarks.bench_moe_train [--rounds 9] [--threads 1] [--skew 1.0 1.1 1.25] [--step]
+    python -m benchmarks.bench_moe_train [--rounds 9] [--threads 1] [--skew 1.0 1.1 1.25] [--bf16] [--step]
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ def routing(tokens: int, E: int, K: int, skew: float, seed: int) -> torch.Tensor
     return torch.multinomial(p.expand(tokens, E), K, replacement=False, generator=g)
 
 
-def layer_call(cfg: GLMConfig, tokens: int, skew: float, seed: int = 0) -> tuple[Callable[[], list[torch.Tensor]],
-                                                                                  float]:
-    """fwd + bwd of one layer's routed experts; returns the call (giving y and the gradients) and the real skew."""
+def layer_call(cfg: GLMConfig, tokens: int, skew: float, seed: int = 0,
+               bf16: bool = False) -> tuple[Callable[[], list[torch.Tensor]], float]:
+    """fwd + bwd of one layer's routed experts (under bf16 autocast: bf16-mixed training's GEMMs); returns the call
+    (giving y and the gradients) and the real skew."""
     g = torch.Generator().manual_seed(seed)
     E, K, d, h = cfg.n_experts, cfg.moe_top_k, cfg.d_model, cfg.expert_hidden
     idx = routing(tokens, E, K, skew, seed)
@@ -61,8 +62,9 @@ def layer_call(cfg: GLMConfig, tokens: int, skew: float, seed: int = 0) -> tuple
     dy = torch.randn(tokens, d, generator=g)
 
     def run() -> list[torch.Tensor]:
-        y = moe.moe_experts(x, idx, w, wgu, wd, counts)
-        return [y.detach(), *torch.autograd.grad(y, (x, w, wgu, wd), dy)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            y = moe.moe_experts(x, idx, w, wgu, wd, counts)
+        return [y.detach().float(), *torch.autograd.grad(y, (x, w, wgu, wd), dy.to(y.dtype))]
 
     return run, float(counts.max()) * E / (tokens * K)
 
@@ -82,9 +84,9 @@ def in_turns(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, t
     return {k: (statistics.median(times[k]), statistics.median(faults[k])) for k in calls}
 
 
-def compare(cfg: GLMConfig, tokens: int, skew: float, rounds: int) -> None:
+def compare(cfg: GLMConfig, tokens: int, skew: float, rounds: int, bf16: bool = False) -> None:
     """One table row per form at one routing skew; outputs checked against the padded form."""
-    run, real = layer_call(cfg, tokens, skew)
+    run, real = layer_call(cfg, tokens, skew, bf16=bf16)
     outs, calls = {}, {}
     for name in FORMS:
         def call(name: str = name) -> list[torch.Tensor]:
@@ -125,15 +127,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=32 * 128)
     ap.add_argument("--skew", type=float, nargs="+", default=[1.0, 1.1, 1.25])
+    ap.add_argument("--bf16", action="store_true", help="the experts under bf16 autocast (bf16-mixed training)")
     ap.add_argument("--step", action="store_true", help="also whole training steps, the forms in turns")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = GLMConfig.preset("flash-25m")
-    print(f"flash-25m routed experts fwd+bwd, {args.tokens} tokens, {torch.get_num_threads()} thread(s), CPU time, "
+    print(f"flash-25m routed experts fwd+bwd{' (bf16 autocast)' if args.bf16 else ''}, {args.tokens} tokens, {torch.get_num_threads()} thread(s), CPU time, "
           f"medians of {args.rounds} in turns")
     print("busiest  form          time  vs padded   faults")
     for skew in args.skew:
-        compare(cfg, args.tokens, skew, args.rounds)
+        compare(cfg, args.tokens, skew, args.rounds, args.bf16)
     if args.step:
         steps(args.rounds)
 
