@@ -537,3 +537,47 @@ def test_cpp_moe_ops_on_bf16_compute_in_fp32_and_round_once():
     names = {e.name for e in prof.events()}
     assert "glm_lightning::swiglu" in names and "glm_lightning::swiglu_backward" in names
     assert "aten::silu" not in names and "glm_lightning::rows_gather_sum" in names
+
+
+@needs_cext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("d", [40, 19])
+def test_rows_scatter_dot_equals_rows_scatter_and_rows_dot(dtype, d):
+    """The experts' backward first pass as one op: bit for bit (rows_scatter(dy, slot, K, gates, R), rows_dot(dy, y,
+    slot, K)), padding rows (no slot) zero; a d not a multiple of 8 takes the dot's tail."""
+    gen = torch.Generator().manual_seed(7)
+    ops = torch.ops.glm_lightning
+    N, K, R = 30, 2, 70
+    dy, y = torch.randn(N, d, generator=gen).to(dtype), torch.randn(R, d, generator=gen).to(dtype)
+    slot, w = torch.randperm(R, generator=gen)[:N * K], torch.rand(N * K, generator=gen).to(dtype)
+    y[slot[0]] = float("nan")  # a named row's old content must not leak into the scatter
+    out, dots = ops.rows_scatter_dot(dy, y, slot, K, w)
+    assert torch.equal(out, ops.rows_scatter(dy, slot, K, w, R))
+    assert torch.equal(dots[1:], ops.rows_dot(dy, y, slot, K)[1:]) and torch.isnan(dots[0])
+    unnamed = torch.ones(R, dtype=torch.bool).index_fill_(0, slot, False)
+    assert torch.count_nonzero(out[unnamed]) == 0
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.rows_scatter_dot(dy, y, torch.cat([slot[:-1], torch.tensor([R])]), K, w)
+
+
+@needs_cext
+@pytest.mark.parametrize("segments", [False, True])
+def test_experts_backward_takes_the_fused_scatter_dot(segments, monkeypatch):
+    """Both expert forms' backward run rows_scatter_dot (not rows_scatter + rows_dot), with the gradients of the
+    separate ops (patched in for the fused one) bit for bit."""
+    m = make(seed=8)
+    monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 18 if segments else 10 ** 9)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.0)
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        y, _ = m(x)
+        g = grads(m, x, (y * torch.linspace(-1, 1, 16)).sum())
+    names = [e.name for e in prof.events()]
+    assert "glm_lightning::rows_scatter_dot" in names and "glm_lightning::rows_dot" not in names
+    monkeypatch.setattr(moe_mod, "_rows_scatter_dot", lambda dy, yy, slot, K, gates: (
+        moe_mod._rows_scatter(dy, slot, K, gates, yy.shape[0]), moe_mod._rows_dot(dy, yy, slot, K)))
+    y2, _ = m(x)
+    g2 = grads(m, x, (y2 * torch.linspace(-1, 1, 16)).sum())
+    assert torch.equal(y, y2)
+    for a, b in zip(g, g2):
+        assert (a is None and b is None) or torch.equal(a, b)

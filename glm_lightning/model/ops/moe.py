@@ -99,6 +99,14 @@ def _rows_dot(a: Tensor, b: Tensor, slot: Tensor, K: int) -> Tensor:
     return (a.repeat_interleave(K, dim=0) * b.index_select(0, slot)).sum(-1)
 
 
+def _rows_scatter_dot(dy: Tensor, y: Tensor, slot: Tensor, K: int, gates: Tensor) -> tuple[Tensor, Tensor]:
+    """The backward's first pass: (:func:`_rows_scatter` (dy, slot, K, gates, rows of y), :func:`_rows_dot`
+    (dy, y, slot, K)), one C++ pass reading dy once when the ops take the tensors, else the two (same values)."""
+    if backend.takes(dy, y, gates, op="rows_scatter", bf16=True) and backend.takes(dy, y, op="rows_dot", bf16=True):
+        return torch.ops.glm_lightning.rows_scatter_dot(dy.contiguous(), y.contiguous(), slot, K, gates)
+    return _rows_scatter(dy, slot, K, gates, y.shape[0]), _rows_dot(dy, y, slot, K)
+
+
 class _GroupedExperts(torch.autograd.Function):
     """The routed experts as one grouped GEMM over sorted tokens, with a hand-written backward.
 
@@ -132,8 +140,8 @@ class _GroupedExperts(torch.autograd.Function):
         E, cap, d = xs.shape
         K = ctx.w_shape[-1]
         dy = dy.contiguous()
-        dw = _rows_dot(dy, y_pad, slot, K).view(ctx.w_shape)
-        dys = _rows_scatter(dy, slot, K, gates, E * cap).view(E, cap, d)
+        dys, dw = _rows_scatter_dot(dy, y_pad, slot, K, gates)
+        dw, dys = dw.view(ctx.w_shape), dys.view(E, cap, d)
         need = ctx.needs_input_grad
         dw_down = mp.bmm(dys.transpose(1, 2), a) if need[3] else None                # [E, d, h]
         da = mp.bmm(dys, w_down)                                                      # [E, cap, h]
@@ -186,8 +194,8 @@ class _SegmentExperts(torch.autograd.Function):
         counts, used, need = ctx.counts, ctx.used, ctx.needs_input_grad
         K = ctx.w_shape[-1]
         dy = dy.contiguous()
-        dw = _rows_dot(dy, ys, pos, K).view(ctx.w_shape)
-        dys = _rows_scatter(dy, pos, K, gates, ys.shape[0])                           # [A, d], every row written
+        dys, dw = _rows_scatter_dot(dy, ys, pos, K, gates)                            # [A, d], every row written
+        dw = dw.view(ctx.w_shape)
         dw_gate_up = _expert_grad(w_gate_up, used) if need[2] else None               # [E, 2h, d]
         dw_down = _expert_grad(w_down, used) if need[3] else None                     # [E, d, h]
         dxs = xs.new_empty(xs.shape) if need[0] else None
