@@ -2,12 +2,13 @@
 glm_lightning/model/ops/moe.py alternated in one process, each call timed in CPU time (1 thread by default):
 
 - ``padded``: the zero-padded [E, max load, d] batch (_GroupedExperts: two bmm forward, four backward);
-- ``segment``: each expert on its own rows (_SegmentExperts: per-expert mm, no padding rows computed).
+- ``segment``: each expert on its own rows (_SegmentExperts: per-expert mm, no padding rows computed);
+- ``shipped``: whichever of the two the thresholds choose (thresholds.py, or this CPU's op table).
 
 Routings with the busiest expert at a few loads over the mean (a fresh flash-25m layer: 1.07-1.18x), and the ops'
 CPU time and minor page faults (``resource.getrusage``) per call. Outputs and gradients are compared between forms.
 
-    python -m benchmarks.bench_moe_train [--rounds 9] [--threads 1] [--skew 1.0 1.1 1.25] [--bf16] [--step]
+    python -m benchmarks.bench_moe_train [--rounds 9] [--threads 1] [--skew 1.0 1.1 1.25] [--bf16] [--step] [--study-step]
 """
 
 from __future__ import annotations
@@ -24,19 +25,25 @@ import torch
 from glm_lightning.model import GLMConfig
 from glm_lightning.model.ops import moe, thresholds
 
-FORMS = {"padded": 1e30, "segment": 1.0}
-"""Each form as the SEGMENT_PADDING that selects it at flash-25m's 4,096 tokens (SEGMENT_TOKENS set to 1)."""
+FORMS: dict[str, dict[str, float] | None] = {
+    "padded": {"SEGMENT_TOKENS": 1, "SEGMENT_PADDING": 1e30, "SEGMENT_PADDING_WORK": 0},
+    "segment": {"SEGMENT_TOKENS": 1, "SEGMENT_PADDING": 0, "SEGMENT_PADDING_WORK": 0},
+    "shipped": None}
+"""Each form as the thresholds that select it (``shipped``: thresholds.py's values or this CPU's op table)."""
 
 
 @contextmanager
 def form(name: str) -> Iterator[None]:
     """Run moe_experts in the named form (thresholds restored after)."""
-    old = thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING
-    thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING = 1, FORMS[name]
+    values = FORMS[name] or {}
+    old = {k: getattr(thresholds, k) for k in values}
+    for k, v in values.items():
+        setattr(thresholds, k, v)
     try:
         yield
     finally:
-        thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING = old
+        for k, v in old.items():
+            setattr(thresholds, k, v)
 
 
 def routing(tokens: int, E: int, K: int, skew: float, seed: int) -> torch.Tensor:
@@ -70,13 +77,14 @@ def layer_call(cfg: GLMConfig, tokens: int, skew: float, seed: int = 0,
 
 
 def in_turns(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, tuple[float, float]]:
-    """Median CPU seconds and minor faults per call of each form, the forms alternated round by round."""
+    """Median CPU seconds and minor faults per call of each form, the forms alternated round by round, each turn an
+    untimed call then a timed one: switching forms changes the allocation pattern, and glibc's first call after a
+    switch returns and maps memory again (tens of thousands of page faults), which a run of one form never sees."""
     times: dict[str, list[float]] = {k: [] for k in calls}
     faults: dict[str, list[int]] = {k: [] for k in calls}
-    for f in calls.values():
-        f()
     for _ in range(rounds):
         for k, f in calls.items():
+            f()
             r0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
             f()
             times[k].append(time.process_time() - t0)
@@ -95,30 +103,33 @@ def compare(cfg: GLMConfig, tokens: int, skew: float, rounds: int, bf16: bool = 
         calls[name] = call
         outs[name] = call()
     diff = max(float((a - b).abs().max()) for a, b in zip(outs["padded"], outs["segment"]))
+    del calls["shipped"]  # one of the two
     res = in_turns(calls, rounds)
     base = res["padded"][0]
     for name, (t, flt) in res.items():
         print(f"{real:5.2f}x  {name:8s} {t * 1e3:8.2f} ms  {base / t:5.2f}x  {flt:7.0f} faults  max|diff| {diff:.1e}")
 
 
-def steps(rounds: int) -> None:
-    """Whole flash-25m training steps (32 x 128, fwd + bwd + AdamW) with each form, alternated step by step."""
+def steps(rounds: int, name: str = "flash-25m") -> None:
+    """Whole training steps (fwd + bwd + AdamW) of profile_step's model ``name`` (flash-25m at 32 x 128, the study model
+    at 8 x 128) with each form, alternated step by step."""
     from benchmarks.profile_step import build, make_optimizer, train_step
-    model, B, T = build("flash-25m")
+    model, B, T = build(name)
     opt = make_optimizer(model)
     ids = torch.randint(0, model.cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
     calls = {}
-    for name in FORMS:
-        def call(name: str = name) -> None:
-            with form(name):
+    for form_name in FORMS:
+        def call(form_name: str = form_name) -> None:
+            with form(form_name):
                 train_step(model, opt, ids)
-        calls[name] = call
-    for f in calls.values():  # a second warm-up: the allocator settles after two steps
+        calls[form_name] = call
+    for f in calls.values():  # warm-up: the allocator settles after two steps
         f()
     res = in_turns(calls, rounds)
     base = res["padded"][0]
-    for name, (t, flt) in res.items():
-        print(f"step     {name:8s} {t * 1e3:8.1f} ms  {base / t:5.2f}x  {flt:7.0f} faults")
+    print(f"{name} training steps, {B} x {T}")
+    for form_name, (t, flt) in res.items():
+        print(f"step     {form_name:8s} {t * 1e3:8.1f} ms  {base / t:5.2f}x  {flt:7.0f} faults")
 
 
 def main() -> None:
@@ -129,6 +140,7 @@ def main() -> None:
     ap.add_argument("--skew", type=float, nargs="+", default=[1.0, 1.1, 1.25])
     ap.add_argument("--bf16", action="store_true", help="the experts under bf16 autocast (bf16-mixed training)")
     ap.add_argument("--step", action="store_true", help="also whole training steps, the forms in turns")
+    ap.add_argument("--study-step", action="store_true", help="also the study model's steps (dispatch-bound)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = GLMConfig.preset("flash-25m")
@@ -139,6 +151,8 @@ def main() -> None:
         compare(cfg, args.tokens, skew, args.rounds, args.bf16)
     if args.step:
         steps(args.rounds)
+    if args.study_step:
+        steps(args.rounds, "study")
 
 
 if __name__ == "__main__":

@@ -309,6 +309,7 @@ def test_segment_experts_equal_the_padded_batch_with_gradients(shared, monkeypat
     monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 18)
     monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.0)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING_WORK", 0)
     y, aux = m(x)
     g = grads(m, x, (y * proj).sum() + aux)
     assert calls
@@ -344,11 +345,12 @@ def test_segment_experts_gradcheck():
 
 
 def test_segment_experts_for_balanced_loads_from_segment_tokens(monkeypatch):
-    """As shipped (SEGMENT_PADDING 1.0), calls from SEGMENT_TOKENS on run the segments even with balanced loads (the
-    padding rows cost GEMM flops); smaller calls keep the padded batch."""
+    """With SEGMENT_PADDING 1.0 (shipped), calls from SEGMENT_TOKENS on run the segments even with balanced loads once
+    the padding rows' work reaches SEGMENT_PADDING_WORK per expert; smaller calls and less padding work keep the
+    padded batch."""
     assert thresholds.DEFAULTS["SEGMENT_PADDING"] == 1.0
     m = make(seed=6)
-    monkeypatch.setattr(thresholds, "SEGMENT_PADDING", thresholds.DEFAULTS["SEGMENT_PADDING"])
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.0)
     calls = []
     real = moe_mod._SegmentExperts.apply
     monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
@@ -356,13 +358,37 @@ def test_segment_experts_for_balanced_loads_from_segment_tokens(monkeypatch):
     m.expert_bias.copy_(torch.tensor([0.0, -0.02, 0.01, 0.02]))
     with torch.no_grad():
         loads = torch.bincount(m.route(x.view(400, 16))[1].flatten(), minlength=4)
-        assert 4 * int(loads.max()) < 1.25 * 800  # balanced
+        assert 800 < 4 * int(loads.max()) < 1.25 * 800  # balanced, some padding
+        work = (4 * int(loads.max()) - 800) * m.d_model * m.expert_hidden / 4  # the padding's rows x d x h per expert
+        monkeypatch.setattr(thresholds, "SEGMENT_PADDING_WORK", work)
         monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 401)
         m(x)
         assert not calls
         monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 400)
         m(x)
+        assert calls == [1]
+        monkeypatch.setattr(thresholds, "SEGMENT_PADDING_WORK", work + 1)
+        m(x)
     assert calls == [1]
+
+
+def test_segment_choice_at_the_model_sizes():
+    """The shipped thresholds: flash-25m's 4,096 tokens (d 192, h 768, 8 experts) run the segments from a few padding
+    rows per expert; the dispatch-bound study model's 1,024 tokens (d 48, h 96, 4 experts) keep the padded batch at
+    its usual loads (largest ~1.1x the mean) and switch where the padding is large."""
+    d = thresholds.DEFAULTS
+    segments = moe_mod._segments
+    assert d["SEGMENT_TOKENS"] <= 4096 and d["SEGMENT_PADDING"] <= 1.01
+    old = (thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING, thresholds.SEGMENT_PADDING_WORK)
+    try:
+        thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING = 1024, d["SEGMENT_PADDING"]
+        thresholds.SEGMENT_PADDING_WORK = d["SEGMENT_PADDING_WORK"]
+        assert segments(4096, 8192, 1032, 8, 192 * 768)          # 1.008x the mean
+        assert not segments(4096, 8192, 1024, 8, 192 * 768)      # no padding at all
+        assert not segments(1024, 2048, 563, 4, 48 * 96)         # 1.1x
+        assert segments(1024, 2048, 800, 4, 48 * 96)             # 1.56x
+    finally:
+        thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING, thresholds.SEGMENT_PADDING_WORK = old
 
 
 def test_segment_experts_only_for_unequal_loads(monkeypatch):
@@ -371,6 +397,7 @@ def test_segment_experts_only_for_unequal_loads(monkeypatch):
     m = make(seed=6)
     monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 64)
     monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.25)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING_WORK", 0)
     calls = []
     real = moe_mod._SegmentExperts.apply
     monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
@@ -568,6 +595,7 @@ def test_experts_backward_takes_the_fused_scatter_dot(segments, monkeypatch):
     m = make(seed=8)
     monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 18 if segments else 10 ** 9)
     monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.0)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING_WORK", 0)
     x = torch.randn(2, 9, 16, requires_grad=True)
     with torch.profiler.profile() as prof:
         y, _ = m(x)
