@@ -373,7 +373,7 @@ def test_segment_experts_for_balanced_loads_from_segment_tokens(monkeypatch):
 
 
 def test_segment_choice_at_the_model_sizes():
-    """The shipped thresholds: flash-25m's 4,096 tokens (d 192, h 768, 8 experts) run the segments from a few padding
+    """The shipped thresholds: flash-25m's 4,096 tokens (d 192, h 384, 8 experts) run the segments from ~14 padding
     rows per expert; the dispatch-bound study model's 1,024 tokens (d 48, h 96, 4 experts) keep the padded batch at
     its usual loads (largest ~1.1x the mean) and switch where the padding is large."""
     d = thresholds.DEFAULTS
@@ -383,8 +383,8 @@ def test_segment_choice_at_the_model_sizes():
     try:
         thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING = 1024, d["SEGMENT_PADDING"]
         thresholds.SEGMENT_PADDING_WORK = d["SEGMENT_PADDING_WORK"]
-        assert segments(4096, 8192, 1032, 8, 192 * 768)          # 1.008x the mean
-        assert not segments(4096, 8192, 1024, 8, 192 * 768)      # no padding at all
+        assert segments(4096, 8192, 1040, 8, 192 * 384)          # 1.016x the mean
+        assert not segments(4096, 8192, 1032, 8, 192 * 384)      # 1.008x
         assert not segments(1024, 2048, 563, 4, 48 * 96)         # 1.1x
         assert segments(1024, 2048, 800, 4, 48 * 96)             # 1.56x
     finally:

@@ -70,8 +70,8 @@ bwd) wasted on the padded batch against the segments' ~50 extra dispatched ops p
 1e6 is ~18 MFLOP, ~120 us at 150 GFLOP/s, about what those ops cost: the dispatch-bound study model (d 48, h 96, 4
 experts, 8 x 128) lost 1.7 ms of its 34 ms step to the segments at SEGMENT_PADDING 1.0 alone (0.95x; Intel Xeon
 AVX-512 + AMX, 1 thread, ``python -m benchmarks.bench_moe_train --study-step``) and keeps the padded batch up to a
-largest load ~1.4x the mean; flash-25m (d 192, h 768) switches from ~7 padding rows per expert (a largest load
-~1.007x the mean at 4,096 tokens)."""
+largest load ~1.4x the mean; flash-25m (d 192, h 384) switches from ~14 padding rows per expert (a largest load
+~1.013x the mean at 4,096 tokens; a fresh model's 12 layers: 1.04-1.18x)."""
 
 DECODE_GATHER_MIN_KEYS_PER_TOP_K = 4
 """A DSA decode step (one query per row) gathers its top-k keys and values once the cache holds at least this many
