@@ -171,7 +171,7 @@ class _Watch(pl.Callback):
                             if isinstance(v, torch.Tensor) and v.is_floating_point()}
 
 
-BF16_CPP_OPS = {"swiglu", "swiglu_backward", "rows_scatter", "rows_gather_sum", "rows_dot"}
+BF16_CPP_OPS = {"swiglu", "swiglu_backward", "rows_scatter", "rows_gather_sum", "rows_dot", "rows_scatter_dot"}
 """The C++ ops that take bf16 (the MoE's activation and row moves between its bf16 GEMMs; fp32 math inside)."""
 
 

@@ -309,6 +309,7 @@ def test_segment_experts_equal_the_padded_batch_with_gradients(shared, monkeypat
     monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 18)
     monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.0)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING_WORK", 0)
     y, aux = m(x)
     g = grads(m, x, (y * proj).sum() + aux)
     assert calls
@@ -343,10 +344,60 @@ def test_segment_experts_gradcheck():
                                     (x, w, wgu, wd), fast_mode=True)
 
 
+def test_segment_experts_for_balanced_loads_from_segment_tokens(monkeypatch):
+    """With SEGMENT_PADDING 1.0 (shipped), calls from SEGMENT_TOKENS on run the segments even with balanced loads once
+    the padding rows' work reaches SEGMENT_PADDING_WORK per expert; smaller calls and less padding work keep the
+    padded batch."""
+    assert thresholds.DEFAULTS["SEGMENT_PADDING"] == 1.0
+    m = make(seed=6)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.0)
+    calls = []
+    real = moe_mod._SegmentExperts.apply
+    monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(1, 400, 16)
+    m.expert_bias.copy_(torch.tensor([0.0, -0.02, 0.01, 0.02]))
+    with torch.no_grad():
+        loads = torch.bincount(m.route(x.view(400, 16))[1].flatten(), minlength=4)
+        assert 800 < 4 * int(loads.max()) < 1.25 * 800  # balanced, some padding
+        work = (4 * int(loads.max()) - 800) * m.d_model * m.expert_hidden / 4  # the padding's rows x d x h per expert
+        monkeypatch.setattr(thresholds, "SEGMENT_PADDING_WORK", work)
+        monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 401)
+        m(x)
+        assert not calls
+        monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 400)
+        m(x)
+        assert calls == [1]
+        monkeypatch.setattr(thresholds, "SEGMENT_PADDING_WORK", work + 1)
+        m(x)
+    assert calls == [1]
+
+
+def test_segment_choice_at_the_model_sizes():
+    """The shipped thresholds: flash-25m's 4,096 tokens (d 192, h 384, 8 experts) run the segments from ~14 padding
+    rows per expert; the dispatch-bound study model's 1,024 tokens (d 48, h 96, 4 experts) keep the padded batch at
+    its usual loads (largest ~1.1x the mean) and switch where the padding is large."""
+    d = thresholds.DEFAULTS
+    segments = moe_mod._segments
+    assert d["SEGMENT_TOKENS"] <= 4096 and d["SEGMENT_PADDING"] <= 1.01
+    old = (thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING, thresholds.SEGMENT_PADDING_WORK)
+    try:
+        thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING = 1024, d["SEGMENT_PADDING"]
+        thresholds.SEGMENT_PADDING_WORK = d["SEGMENT_PADDING_WORK"]
+        assert segments(4096, 8192, 1040, 8, 192 * 384)          # 1.016x the mean
+        assert not segments(4096, 8192, 1032, 8, 192 * 384)      # 1.008x
+        assert not segments(1024, 2048, 563, 4, 48 * 96)         # 1.1x
+        assert segments(1024, 2048, 800, 4, 48 * 96)             # 1.56x
+    finally:
+        thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING, thresholds.SEGMENT_PADDING_WORK = old
+
+
 def test_segment_experts_only_for_unequal_loads(monkeypatch):
-    """Balanced loads keep the padded batch (fewer dispatched ops); a skewed router switches to the segments."""
+    """With SEGMENT_PADDING above 1, balanced loads keep the padded batch (fewer dispatched ops); a skewed router
+    switches to the segments."""
     m = make(seed=6)
     monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.25)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING_WORK", 0)
     calls = []
     real = moe_mod._SegmentExperts.apply
     monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
@@ -513,3 +564,48 @@ def test_cpp_moe_ops_on_bf16_compute_in_fp32_and_round_once():
     names = {e.name for e in prof.events()}
     assert "glm_lightning::swiglu" in names and "glm_lightning::swiglu_backward" in names
     assert "aten::silu" not in names and "glm_lightning::rows_gather_sum" in names
+
+
+@needs_cext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("d", [40, 19])
+def test_rows_scatter_dot_equals_rows_scatter_and_rows_dot(dtype, d):
+    """The experts' backward first pass as one op: bit for bit (rows_scatter(dy, slot, K, gates, R), rows_dot(dy, y,
+    slot, K)), padding rows (no slot) zero; a d not a multiple of 8 takes the dot's tail."""
+    gen = torch.Generator().manual_seed(7)
+    ops = torch.ops.glm_lightning
+    N, K, R = 30, 2, 70
+    dy, y = torch.randn(N, d, generator=gen).to(dtype), torch.randn(R, d, generator=gen).to(dtype)
+    slot, w = torch.randperm(R, generator=gen)[:N * K], torch.rand(N * K, generator=gen).to(dtype)
+    y[slot[0]] = float("nan")  # a named row's old content must not leak into the scatter
+    out, dots = ops.rows_scatter_dot(dy, y, slot, K, w)
+    assert torch.equal(out, ops.rows_scatter(dy, slot, K, w, R))
+    assert torch.equal(dots[1:], ops.rows_dot(dy, y, slot, K)[1:]) and torch.isnan(dots[0])
+    unnamed = torch.ones(R, dtype=torch.bool).index_fill_(0, slot, False)
+    assert torch.count_nonzero(out[unnamed]) == 0
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.rows_scatter_dot(dy, y, torch.cat([slot[:-1], torch.tensor([R])]), K, w)
+
+
+@needs_cext
+@pytest.mark.parametrize("segments", [False, True])
+def test_experts_backward_takes_the_fused_scatter_dot(segments, monkeypatch):
+    """Both expert forms' backward run rows_scatter_dot (not rows_scatter + rows_dot), with the gradients of the
+    separate ops (patched in for the fused one) bit for bit."""
+    m = make(seed=8)
+    monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 18 if segments else 10 ** 9)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.0)
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING_WORK", 0)
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        y, _ = m(x)
+        g = grads(m, x, (y * torch.linspace(-1, 1, 16)).sum())
+    names = [e.name for e in prof.events()]
+    assert "glm_lightning::rows_scatter_dot" in names and "glm_lightning::rows_dot" not in names
+    monkeypatch.setattr(moe_mod, "_rows_scatter_dot", lambda dy, yy, slot, K, gates: (
+        moe_mod._rows_scatter(dy, slot, K, gates, yy.shape[0]), moe_mod._rows_dot(dy, yy, slot, K)))
+    y2, _ = m(x)
+    g2 = grads(m, x, (y2 * torch.linspace(-1, 1, 16)).sum())
+    assert torch.equal(y, y2)
+    for a, b in zip(g, g2):
+        assert (a is None and b is None) or torch.equal(a, b)

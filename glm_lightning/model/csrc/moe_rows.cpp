@@ -11,6 +11,8 @@
 //       out[n] = sum_k weight[n K + k] * src[slot[n K + k]]                      (the gated combine; dx)
 //   rows_dot(a [N, d], b [R, d], slot [N*K], K) -> out [N*K]
 //       out[f] = <a[f / K], b[slot[f]]>                                           (the gates' gradient)
+//   rows_scatter_dot(dy [N, d], y [R, d], slot, K, scale) -> (rows_scatter(dy, slot, K, scale, R),
+//                                                             rows_dot(dy, y, slot, K))    (the backward's first pass)
 // fp32, fp64 and bf16 (bf16-mixed training: fp32 math, each output rounded to bf16 once); src / a / b contiguous.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,6 +20,7 @@
 
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "kernel_helpers.h"
@@ -131,6 +134,20 @@ at::Tensor rows_gather_sum(const at::Tensor& src, const at::Tensor& slot, int64_
   return out;
 }
 
+// <x, y> over d elements in Acc<S>: eight partial sums (the loop vectorises without reassociating one chain), summed
+// as a fixed tree, then the tail.
+template <typename S>
+inline Acc<S> row_dot(const S* x, const S* y, int64_t d) {
+  using T = Acc<S>;
+  T acc[8] = {};
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8)
+    for (int u = 0; u < 8; ++u) acc[u] += widen(x[c + u]) * widen(y[c + u]);
+  T sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; c < d; ++c) sum += widen(x[c]) * widen(y[c]);
+  return sum;
+}
+
 at::Tensor rows_dot(const at::Tensor& a, const at::Tensor& b, const at::Tensor& slot, int64_t K) {
   check(a, slot, K, "rows_dot");
   check(b, slot, K, "rows_dot");
@@ -148,18 +165,47 @@ at::Tensor rows_dot(const at::Tensor& a, const at::Tensor& b, const at::Tensor& 
       for (int64_t f = lo; f < hi; ++f) {
         const int64_t r = sl[f];
         TORCH_CHECK(r >= 0 && r < R, "rows_dot: slot out of range");
-        const S *x = pa + (f / K) * d, *y = pb + r * d;
-        T acc[8] = {};  // eight partial sums: the loop vectorises without reassociating one chain
-        int64_t c = 0;
-        for (; c + 8 <= d; c += 8)
-          for (int u = 0; u < 8; ++u) acc[u] += widen(x[c + u]) * widen(y[c + u]);
-        T sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        for (; c < d; ++c) sum += widen(x[c]) * widen(y[c]);
-        o[f] = narrow<S>(sum);
+        o[f] = narrow<S>(row_dot(pa + (f / K) * d, pb + r * d, d));
       }
     });
   });
   return out;
+}
+
+// rows_dot(dy, y, slot, K) and rows_scatter(dy, slot, K, scale, R) of the experts' backward in one pass: both walk
+// the slots in token order reading dy's rows, the first also reading row slot[f] of y, the second writing row slot[f]
+// of its output; fused, dy is read once and each slot's two rows are touched together (values bit for bit the two
+// ops': the same products and sums per element).
+std::tuple<at::Tensor, at::Tensor> rows_scatter_dot(const at::Tensor& dy, const at::Tensor& y, const at::Tensor& slot,
+                                                    int64_t K, const at::Tensor& scale) {
+  check(dy, slot, K, "rows_scatter_dot");
+  check(y, slot, K, "rows_scatter_dot");
+  const int64_t F = slot.numel(), d = dy.size(1), R = y.size(0);
+  TORCH_CHECK(F == dy.size(0) * K && y.size(1) == d && y.scalar_type() == dy.scalar_type(),
+              "rows_scatter_dot: dy [N, d], y [R, d] of one dtype, slot [N * K]");
+  TORCH_CHECK(scale.numel() == F && scale.is_contiguous() && scale.scalar_type() == dy.scalar_type(),
+              "rows_scatter_dot: the scales must be contiguous, one per slot, of the rows' dtype");
+  at::Tensor out = at::empty({R, d}, dy.options()), dots = at::empty({F}, dy.options());
+  zero_unnamed_rows(out, slot);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dy.scalar_type(), "rows_scatter_dot", [&] {
+    using S = scalar_t;
+    using T = Acc<S>;
+    const S *pd = dy.data_ptr<S>(), *py = y.data_ptr<S>(), *w = scale.data_ptr<S>();
+    const int64_t* sl = slot.data_ptr<int64_t>();
+    S *o = out.data_ptr<S>(), *dt = dots.data_ptr<S>();
+    at::parallel_for(0, F, 64, [&](int64_t lo, int64_t hi) {
+      for (int64_t f = lo; f < hi; ++f) {
+        const int64_t r = sl[f];
+        TORCH_CHECK(r >= 0 && r < R, "rows_scatter_dot: slot out of range");
+        const S* x = pd + (f / K) * d;
+        dt[f] = narrow<S>(row_dot(x, py + r * d, d));
+        const T g = widen(w[f]);
+        S* z = o + r * d;
+        for (int64_t c = 0; c < d; ++c) z[c] = narrow<S>(g * widen(x[c]));
+      }
+    });
+  });
+  return {out, dots};
 }
 
 }  // namespace moe_rows
@@ -170,10 +216,12 @@ TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("rows_scatter(Tensor src, Tensor slot, int K, Tensor? scale, int R) -> Tensor");
   m.def("rows_gather_sum(Tensor src, Tensor slot, int K, Tensor? weight) -> Tensor");
   m.def("rows_dot(Tensor a, Tensor b, Tensor slot, int K) -> Tensor");
+  m.def("rows_scatter_dot(Tensor dy, Tensor y, Tensor slot, int K, Tensor scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
   m.impl("rows_scatter", &moe_rows::rows_scatter);
   m.impl("rows_gather_sum", &moe_rows::rows_gather_sum);
   m.impl("rows_dot", &moe_rows::rows_dot);
+  m.impl("rows_scatter_dot", &moe_rows::rows_scatter_dot);
 }

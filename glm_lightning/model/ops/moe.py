@@ -99,6 +99,14 @@ def _rows_dot(a: Tensor, b: Tensor, slot: Tensor, K: int) -> Tensor:
     return (a.repeat_interleave(K, dim=0) * b.index_select(0, slot)).sum(-1)
 
 
+def _rows_scatter_dot(dy: Tensor, y: Tensor, slot: Tensor, K: int, gates: Tensor) -> tuple[Tensor, Tensor]:
+    """The backward's first pass: (:func:`_rows_scatter` (dy, slot, K, gates, rows of y), :func:`_rows_dot`
+    (dy, y, slot, K)), one C++ pass reading dy once when the ops take the tensors, else the two (same values)."""
+    if backend.takes(dy, y, gates, op="rows_scatter", bf16=True) and backend.takes(dy, y, op="rows_dot", bf16=True):
+        return torch.ops.glm_lightning.rows_scatter_dot(dy.contiguous(), y.contiguous(), slot, K, gates)
+    return _rows_scatter(dy, slot, K, gates, y.shape[0]), _rows_dot(dy, y, slot, K)
+
+
 class _GroupedExperts(torch.autograd.Function):
     """The routed experts as one grouped GEMM over sorted tokens, with a hand-written backward.
 
@@ -132,8 +140,8 @@ class _GroupedExperts(torch.autograd.Function):
         E, cap, d = xs.shape
         K = ctx.w_shape[-1]
         dy = dy.contiguous()
-        dw = _rows_dot(dy, y_pad, slot, K).view(ctx.w_shape)
-        dys = _rows_scatter(dy, slot, K, gates, E * cap).view(E, cap, d)
+        dys, dw = _rows_scatter_dot(dy, y_pad, slot, K, gates)
+        dw, dys = dw.view(ctx.w_shape), dys.view(E, cap, d)
         need = ctx.needs_input_grad
         dw_down = mp.bmm(dys.transpose(1, 2), a) if need[3] else None                # [E, d, h]
         da = mp.bmm(dys, w_down)                                                      # [E, cap, h]
@@ -186,10 +194,10 @@ class _SegmentExperts(torch.autograd.Function):
         counts, used, need = ctx.counts, ctx.used, ctx.needs_input_grad
         K = ctx.w_shape[-1]
         dy = dy.contiguous()
-        dw = _rows_dot(dy, ys, pos, K).view(ctx.w_shape)
-        dys = _rows_scatter(dy, pos, K, gates, ys.shape[0])                           # [A, d], every row written
-        dw_gate_up = torch.zeros_like(w_gate_up) if need[2] else None                 # [E, 2h, d]
-        dw_down = torch.zeros_like(w_down) if need[3] else None                       # [E, d, h]
+        dys, dw = _rows_scatter_dot(dy, ys, pos, K, gates)                            # [A, d], every row written
+        dw = dw.view(ctx.w_shape)
+        dw_gate_up = _expert_grad(w_gate_up, used) if need[2] else None               # [E, 2h, d]
+        dw_down = _expert_grad(w_down, used) if need[3] else None                     # [E, d, h]
         dxs = xs.new_empty(xs.shape) if need[0] else None
         dys_e, xs_e, hgu_e = dys.split(counts), xs.split(counts), hgu.split(counts)
         wd, wgu = w_down.unbind(0), w_gate_up.unbind(0)
@@ -204,6 +212,17 @@ class _SegmentExperts(torch.autograd.Function):
                 mp.mm(dhgu, wgu[e], out=dxs_e[e])
         dx = None if dxs is None else _rows_gather_sum(dxs, pos, K, None)
         return (dx, dw if dw.dtype == ctx.w_dtype else dw.to(ctx.w_dtype), dw_gate_up, dw_down, None, None, None)
+
+
+def _expert_grad(weight: Tensor, used: list[int]) -> Tensor:
+    """An uninitialised gradient for the experts' stacked ``weight`` [E, ...] with the experts not in ``used`` zeroed:
+    the used experts' slices are then each written whole by one ``mm(out=)`` (zeros_like wrote all E slices first,
+    ~14 MB per flash-25m layer, then the GEMMs wrote the used ones again)."""
+    grad = torch.empty_like(weight)
+    if len(used) < weight.shape[0]:
+        busy = set(used)
+        grad[[e for e in range(weight.shape[0]) if e not in busy]] = 0
+    return grad
 
 
 class _Routing(torch.autograd.Function):
@@ -297,6 +316,15 @@ def _moe_route(s: Tensor, bias: Tensor, top_k: int, scale: float, batch: int,
     return w, aux, idx, counts, None
 
 
+def _segments(tokens: int, assignments: int, cap: int, E: int, dh: int) -> bool:
+    """Whether the experts run per segment (thresholds.py): from SEGMENT_TOKENS tokens, when the padded batch is at
+    least SEGMENT_PADDING times the assignments and its padding rows' GEMM work (rows x d x h, per expert) reaches
+    SEGMENT_PADDING_WORK, what a segment's extra dispatched ops cost."""
+    padding = E * cap - assignments
+    return (tokens >= thresholds.SEGMENT_TOKENS and E * cap >= thresholds.SEGMENT_PADDING * assignments
+            and padding * dh >= thresholds.SEGMENT_PADDING_WORK * E)
+
+
 def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Tensor, counts_t: Tensor,
                 rows: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """y_n = sum_k w_nk E_{idx_nk}(x_n) for flat tokens x [N, d], choices idx and gates w [N, K], the experts'
@@ -310,7 +338,7 @@ def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Te
     if cap == 0:  # no tokens at all
         return torch.zeros_like(x)
     pos, slot = assignment_rows(idx, counts) if rows is None else rows  # token n's k-th choice at n * K + k
-    if x.shape[0] >= thresholds.SEGMENT_TOKENS and w_gate_up.shape[0] * cap >= thresholds.SEGMENT_PADDING * pos.numel():
+    if _segments(x.shape[0], pos.numel(), cap, w_gate_up.shape[0], x.shape[-1] * w_down.shape[-1]):
         order = torch.empty_like(pos).index_copy_(0, pos, torch.arange(pos.numel(), device=x.device))
         return _SegmentExperts.apply(x, w, w_gate_up, w_down, order // K, pos, counts)
     if (x.shape[0] <= thresholds.SMALL_TOKENS and not torch.is_grad_enabled()

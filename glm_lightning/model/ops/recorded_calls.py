@@ -23,7 +23,7 @@ RECORDED: dict[str, tuple[tuple[Any, str], ...]] = {
     "sinkhorn": ((mhc, "sinkhorn"),), "stream_read": ((mhc, "stream_read"),), "stream_write": ((mhc, "stream_write"),),
     "site_read": ((mhc, "site_read"),), "swiglu": ((moe, "_swiglu_act"), (moe, "_swiglu_act_backward")),
     "rows_scatter": ((moe, "_rows_scatter"),), "rows_gather_sum": ((moe, "_rows_gather_sum"),),
-    "rows_dot": ((moe, "_rows_dot"),), "moe_route": ((moe, "moe_route"),), "index_scores": ((dsa, "index_scores"),),
+    "rows_dot": ((moe, "_rows_scatter_dot"),), "moe_route": ((moe, "moe_route"),), "index_scores": ((dsa, "index_scores"),),
     "topk_mask": ((dsa, "decode_key_mask"),), "single_query_attention": ((dsa, "single_query_attention"),),
     "kda_delta_step": ((kda_decode, "delta_step_"),), "kda_conv_step": ((kda_decode, "conv_step_"),),
     "kda_decode_step": ((kda_decode, "kda_decode_step"),), "kda_features": ((kda_inputs, "kda_features"),),

@@ -7,7 +7,7 @@ not tuning knobs.
 
 - SMALL_ROWS: linear without autograd, C++ small_matmul or BLAS mm;
 - SMALL_TOKENS: MoE experts without autograd, small_matmul or bmm;
-- SEGMENT_TOKENS, SEGMENT_PADDING: MoE experts, per-expert segments or the padded batch;
+- SEGMENT_TOKENS, SEGMENT_PADDING, SEGMENT_PADDING_WORK: MoE experts, per-expert segments or the padded batch;
 - DECODE_GATHER_MIN_KEYS_PER_TOP_K: a DSA decode step, gather the top-k keys or mask all keys.
 
 SMALL_ROWS and SMALL_TOKENS depend on the CPU's vector width (``torch.backends.cpu.get_cpu_capability()``): the C++
@@ -52,12 +52,26 @@ slower than BLAS (see SMALL_ROWS): 0 there (the panel form is not measured there
 only, never on the routing."""
 
 SEGMENT_TOKENS = 2048
-SEGMENT_PADDING = 1.25
+SEGMENT_PADDING = 1.0
 """MoE calls with at least SEGMENT_TOKENS tokens whose padded batch would be at least SEGMENT_PADDING times the real
-assignments (the largest load 25% above the mean) run per expert segment (no padding): a 96-prompt RL prefill, 1.26x
-faster. Otherwise the padded batch stays: ~330 fewer dispatched ops per layer (fwd + bwd), which the dispatch-bound
-study model and balanced loads need more (a fresh flash-25m at 32 x 128: largest load 1.07-1.18x the mean per layer;
-there the two were within noise of each other)."""
+assignments run per expert segment (no padding); 1.0: every call from SEGMENT_TOKENS on. First 1.25 (the largest load
+25% above the mean: a 96-prompt RL prefill, 1.26x faster), with balanced loads left on the padded batch for its ~330
+fewer dispatched ops per layer (fwd + bwd). Measured in CPU time, forms in turns (issue 49, Intel Xeon AVX-512 + AMX,
+1 thread, ``python -m benchmarks.bench_moe_train --step``): at flash-25m's 4,096 tokens the segments win already
+with balanced loads (a fresh layer's largest load is 1.07-1.18x the mean): 1.03x at 1.01x, 1.11-1.16x at 1.09x, 1.22x
+at 1.21x (one layer's experts fwd + bwd, the same values bit for bit there), a whole training step 1.05x; the study
+model's layer (d 48, 1,024 tokens) 1.01x at 1.04x, 1.10x at 1.07x. The padding's zero rows cost their full GEMM
+flops (7-18% of the routed GEMMs), far more than the dispatches at these sizes; SEGMENT_TOKENS (the op table's,
+per CPU) keeps small calls on the padded batch."""
+
+SEGMENT_PADDING_WORK = 1_000_000
+"""...and whose padding rows' GEMM work, rows x d x h, is at least this much per expert: 18 d h flops per row (fwd +
+bwd) wasted on the padded batch against the segments' ~50 extra dispatched ops per expert (views, the per-expert mm).
+1e6 is ~18 MFLOP, ~120 us at 150 GFLOP/s, about what those ops cost: the dispatch-bound study model (d 48, h 96, 4
+experts, 8 x 128) lost 1.7 ms of its 34 ms step to the segments at SEGMENT_PADDING 1.0 alone (0.95x; Intel Xeon
+AVX-512 + AMX, 1 thread, ``python -m benchmarks.bench_moe_train --study-step``) and keeps the padded batch up to a
+largest load ~1.4x the mean; flash-25m (d 192, h 384) switches from ~14 padding rows per expert (a largest load
+~1.013x the mean at 4,096 tokens; a fresh model's 12 layers: 1.04-1.18x)."""
 
 DECODE_GATHER_MIN_KEYS_PER_TOP_K = 4
 """A DSA decode step (one query per row) gathers its top-k keys and values once the cache holds at least this many
@@ -68,7 +82,7 @@ gather/mask 1.16x at 100 keys, 1.22x at 160, 0.90x at 256, 1.06x at 384, 0.96x a
 docs/performance.md, "The ops layer")."""
 
 DEFAULTS: dict[str, float] = {"SMALL_ROWS": SMALL_ROWS, "SMALL_TOKENS": SMALL_TOKENS, "SEGMENT_TOKENS": SEGMENT_TOKENS,
-                               "SEGMENT_PADDING": SEGMENT_PADDING,
+                               "SEGMENT_PADDING": SEGMENT_PADDING, "SEGMENT_PADDING_WORK": SEGMENT_PADDING_WORK,
                                "DECODE_GATHER_MIN_KEYS_PER_TOP_K": DECODE_GATHER_MIN_KEYS_PER_TOP_K}
 """The shipped values above: the op table's defaults (choice.py). Where this CPU's table was measured
 (``python -m glm_lightning.model.ops.tune``), choice.apply sets the names above to its values."""

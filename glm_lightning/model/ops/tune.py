@@ -253,7 +253,7 @@ def measure(calls: dict[str, list[Call]], rounds: int = choice.ROUNDS, say: Call
             probe = _segments_probe(training[0], n)
             padded_first = n < ref.thresholds[name]
             forms = ("padded", "segments") if padded_first else ("segments", "padded")
-            with _threshold("SEGMENT_PADDING", 0.0):  # the size alone decides here
+            with _threshold("SEGMENT_PADDING", 0.0), _threshold("SEGMENT_PADDING_WORK", 0):  # the size alone decides
                 a, b = _forced(probe, name, 10**9), _forced(probe, name, 0)
                 row = compare(f"{name} at {n} tokens", name, n, forms, *((a, b) if padded_first else (b, a)))
             padded[n] = row.chosen == "padded"
