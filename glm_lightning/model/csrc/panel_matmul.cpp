@@ -9,7 +9,7 @@
 // in registers over the whole `in` loop, and the next weights are prefetched.
 //
 //   panel_pack(W [out, in] or [E, out, in], dtype) -> P [ceil(out / L), in, L] or [E, ceil(out / L), in, L]
-//       (P in dtype: fp32 or bf16; None: W's)
+//       (P in dtype: fp32 or bf16; None: W's. bf16: [.., in + in % 2, L], rows k, k + 1 as L pairs)
 //   panel_matmul(x [..., in], P [panels, in, L], out, None, bias [out]) -> y [..., out]   (M rows: x's leading dims)
 //   panel_matmul(x [E, M, in], P [E, ...], out, counts [E] int64, bias [E, out]) -> y [E, M, out]
 //       y[e, m] = W[e] x[e, m] + bias[e] for m < counts[e]; 0 for the padding rows m >= counts[e]
@@ -18,10 +18,17 @@
 // or outputs are, so a token's output never depends on its batch. The order differs from BLAS's and small_matmul's
 // in the last bits (tests: within 1e-5 of torch.mm).
 //
-// P may be fp32 or bf16 (panel_pack's dtype); x, bias and y are fp32 either way. bf16 panels are half the
-// bytes a decode step streams: each panel row is widened to fp32 in registers (lanes.h: load_bf16, exact) and
-// multiplied as before, so the products and their order are those of the fp32 kernel on the bf16 values (tests:
-// bit for bit against fp32 panels of W.bfloat16().float()). One template over the stored type serves both.
+// P may be fp32 or bf16 (panel_pack's dtype); x, bias and y are fp32 either way. bf16 panels are half the bytes a
+// decode step streams, and take x rounded to bf16 (nearest even, as c10::BFloat16): y = round(x) W^T + b, products
+// of bf16 values summed in fp32, the bias added in fp32 (autocast's bf16 linear without its output rounding; the
+// numerics contract of generation.py's precision="bf16"). bf16 panels hold rows k, k + 1 as pairs (`in` padded to
+// even: amx_panels.h's layout). Where the CPU has AMX-BF16 and the kernel grants the tiles (amx_on) they run on AMX
+// tiles (amx_panels.h: within fp32 summation order of the reference, tests/test_panel_amx.py); elsewhere each pair
+// row is widened to fp32 in registers (exact) and multiplied with the rounded x as the fp32 kernel does, so the
+// products and their order are those of the fp32 kernel on the rounded operands (tests: bit for bit against fp32
+// panels of W.bfloat16().float() applied to x.bfloat16().float()). One template over the stored type serves both.
+//
+//   panel_amx(enable or None) -> bool: switch the AMX form on (where available) or off; whether it is on
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
