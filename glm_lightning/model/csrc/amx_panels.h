@@ -89,14 +89,17 @@ inline void release() { _tile_release(); }
     _tile_dpbf16ps(C, 6, 7);   \
   } while (0)
 
-// The next group's weights at the same offset, into the caches while this group's tiles multiply (16 lines a tile).
-// Measured on the Intel Xeon (AMX, 1 thread, process time, flash-25m's shapes, weights cycled cold through 90 MB,
-// the forms in turns, median of 5; the widened kernel as the anchor in each run): with this prefetch AMX / widened
-// at 16 rows 1.18x [576 x 192], 1.16x [768 x 192], 1.40x [192 x 384]; without it 1.02x, 1.04x, 1.24x (AMX lost to
-// the widened kernel at 4 rows: 0.80x, 0.78x). Two or three groups ahead did no better (one decode step's calls
-// replayed: AMX / widened 1.21x one group ahead, 1.12x two, 1.14x three).
+// The next group's weights at the same offset, into L2 while this group's tiles multiply (16 lines a tile), each
+// panel's lines after that panel's tile product. Measured on the Intel Xeon (AMX, 1 thread, process time, flash-25m's
+// shapes, weights cycled cold through 90 MB, the forms in turns, median of 5, the widened kernel as each run's
+// anchor), AMX / widened at 1 row and 16 rows for [576 x 192], [192 x 192], [768 x 192], [192 x 384]:
+//   no prefetch:                          16 rows 1.02x, -, 1.04x, 1.24x;  4 rows 0.80x, -, 0.78x, -
+//   all 4 next tiles into L1 per k block: 1 row 0.92-0.97x;  16 rows 1.06-1.36x
+//   each after its panel's tile, L1:      1 row 0.93-0.98x;  16 rows 1.17-1.37x
+//   each after its panel's tile, L2 (this): 1 row 0.97-1.03x;  16 rows 1.21-1.38x
+// Two or three groups ahead did no better (one decode step's calls replayed: 1.21x one group ahead, 1.12x two).
 inline void prefetch_tile(const uint16_t* b) {
-  for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(b) + 64 * l, _MM_HINT_T0);
+  for (int l = 0; l < 16; ++l) _mm_prefetch(reinterpret_cast<const char*>(b) + 64 * l, _MM_HINT_T1);
 }
 
 // V panels (V <= kGroup; panel stride `pstride` elements) against a 16-row block of x (bf16, row stride in_pad):
@@ -114,12 +117,20 @@ inline void group(const uint16_t* x, const uint16_t* P, int64_t pstride, int64_t
   for (int64_t kb = 0; kb < full; ++kb) {
     const int64_t o = kb * kTileK * 16;  // 16 pair rows of 16 outputs x 2
     _tile_loadd(4, x + kb * kTileK, xs);
-    if (prefetch)
-      for (int v = 0; v < V; ++v) prefetch_tile(next + v * pstride + o);
     GLM_AMX_DOT_FULL(0, P + o);
-    if constexpr (V > 1) GLM_AMX_DOT_FULL(1, P + pstride + o);
-    if constexpr (V > 2) GLM_AMX_DOT_FULL(2, P + 2 * pstride + o);
-    if constexpr (V > 3) GLM_AMX_DOT_FULL(3, P + 3 * pstride + o);
+    if (prefetch) prefetch_tile(next + o);
+    if constexpr (V > 1) {
+      GLM_AMX_DOT_FULL(1, P + pstride + o);
+      if (prefetch) prefetch_tile(next + pstride + o);
+    }
+    if constexpr (V > 2) {
+      GLM_AMX_DOT_FULL(2, P + 2 * pstride + o);
+      if (prefetch) prefetch_tile(next + 2 * pstride + o);
+    }
+    if constexpr (V > 3) {
+      GLM_AMX_DOT_FULL(3, P + 3 * pstride + o);
+      if (prefetch) prefetch_tile(next + 3 * pstride + o);
+    }
   }
   if (in_pad % kTileK > 0) {
     const int64_t o = full * kTileK * 16;
