@@ -53,8 +53,9 @@ def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: s
                 precision: str = "32") -> dict[str, Any]:
     """Median CPU seconds (process time: the machine may be shared; 1 thread) of a decode step of ``rows`` rows (after
     a prefill and two untimed steps), and per step: the seconds inside the decode's few-row matmul calls
-    (``panel_matmul`` on packed weights, or ``small_matmul``), their number and the weight bytes they read (a padded expert with no row is not read), measured in further steps with
-    the fused decode ops (decode.FUSED) off, so that every matmul is a call of its own. The C++ ops must be loaded
+    (``panel_matmul`` on packed weights, or ``small_matmul``), their number and the weight bytes they read (a padded
+    expert with no row is not read), measured in further steps with the fused decode ops (decode.FUSED) off, so that
+    every matmul is a call of its own. The C++ ops must be loaded
     for them to run; without them these fields are 0."""
     from glm_lightning.model.ops import matmul, moe
 
@@ -128,7 +129,7 @@ def main() -> None:
     p.add_argument("--time", action="store_true", help="also time decode steps (no profiler): the matmuls' share")
     p.add_argument("--precision", default="32", choices=("32", "bf16"), help="bf16: generation's bf16 sampling copy")
     p.add_argument("--no-amx", action="store_true",
-                   help="bf16 panels on the widened FMA kernel, not AMX tiles (csrc/amx_panels.h) where the CPU has them")
+                   help="bf16 panels on the widened FMA kernel even where AMX tiles (csrc/amx_panels.h) would run")
     args = p.parse_args()
     if args.no_amx and cext.available():
         torch.ops.glm_lightning.panel_amx(False)

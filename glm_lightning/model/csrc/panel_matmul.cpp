@@ -85,10 +85,10 @@ inline void load_pair(const uint16_t* p, PVec& w0, PVec& w1) {
   std::memcpy(&w1, &hi, sizeof(w1));
 }
 
-// y[m0 .. m0+MB, panels p0 .. p0+V] for MB rows of x and V panels starting at P (panel stride in * L); the MB x V
-// accumulators stay in registers across k. x is rows (row stride `in`) or, with XT, the block transposed ([in, MB]:
-// x_block[i, k] at x[k * MB + i], see transpose_blocks). Writes the first `cols` outputs of the last panel (fewer than
-// L at a matrix's ragged end), adding bias (nullable) at the panel's outputs.
+// y[m0 .. m0+MB, panels p0 .. p0+V] for MB rows of x and V panels starting at P (panel stride panel_rows * L); the
+// MB x V accumulators stay in registers across k. x is rows (row stride `in`) or, with XT, the block transposed
+// ([in, MB]: x_block[i, k] at x[k * MB + i], see transpose_blocks). Writes the first `cols` outputs of the last panel
+// (fewer than L at a matrix's ragged end), adding bias (nullable) at the panel's outputs.
 template <int MB, int V, bool XT, typename W>
 inline void tile(const float* __restrict x, const W* __restrict P, float* __restrict y, int64_t in, int64_t out,
                  int64_t last_cols, const float* bias, bool prefetch) {
