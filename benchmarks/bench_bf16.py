@@ -28,7 +28,7 @@ from benchmarks import utilization
 from benchmarks.bench_train import hybrid_loss, make_step
 from glm_lightning import precision
 from glm_lightning.generation import generate
-from glm_lightning.model import GLMConfig, GLMModel, ops
+from glm_lightning.model import GLMConfig, GLMModel, cext, ops
 from glm_lightning.model.ops import mixed_precision as mp
 
 
@@ -90,14 +90,28 @@ def _generation(model: GLMModel, precision_: str, samples: int, new_tokens: int)
     return run
 
 
+def _without_amx(step: Callable[[], float]) -> Callable[[], float]:
+    """The step with bf16 panels on the widened FMA kernel (csrc/amx_panels.h's tiles switched off), then on again."""
+    def run() -> float:
+        torch.ops.glm_lightning.panel_amx(False)
+        try:
+            return step()
+        finally:
+            torch.ops.glm_lightning.panel_amx(True)
+    return run
+
+
 def generation(model: GLMModel, samples: int = 16, new_tokens: int = 48, rounds: int = 3) -> dict[str, Any]:
-    """Cached generation from the fp32 weights and from the bf16 copy, taking turns: tokens/s of each and the ratio."""
+    """Cached generation from the fp32 weights and from the bf16 copy, taking turns: tokens/s of each and the ratio;
+    where the decode's bf16 panels run on AMX tiles, a third row without them (the widened FMA kernel)."""
     model.eval()
-    gen = _median_in_turns({name: _generation(model, p, samples, new_tokens) for name, p in (("fp32", "32"),
-                                                                                             ("bf16", "bf16"))},
-                           rounds)
+    steps = {name: _generation(model, p, samples, new_tokens) for name, p in (("fp32", "32"), ("bf16", "bf16"))}
+    if cext.available() and torch.ops.glm_lightning.panel_amx():
+        steps["bf16 no AMX"] = _without_amx(_generation(model, "bf16", samples, new_tokens))
+    gen = _median_in_turns(steps, rounds)
     return {"generation": {name: {"s": s, "tokens_per_s": samples * new_tokens / s} for name, s in gen.items()},
-            "generation_bf16_over_fp32": gen["fp32"] / gen["bf16"]}
+            "generation_bf16_over_fp32": gen["fp32"] / gen["bf16"],
+            **({"generation_bf16_no_amx_over_fp32": gen["fp32"] / gen["bf16 no AMX"]} if "bf16 no AMX" in gen else {})}
 
 
 def run(quick: bool = False, batch: int = 32, seq: int = 128, native_batch: int = 2, samples: int = 16,
@@ -152,7 +166,9 @@ def run(quick: bool = False, batch: int = 32, seq: int = 128, native_batch: int 
 def _print_generation(res: dict[str, Any], samples: int, new_tokens: int) -> None:
     print(f"generation {samples} x {new_tokens} cached (CPU time): " + ", ".join(
         f"{m} {r['tokens_per_s']:.0f} tok/s" for m, r in res["generation"].items())
-        + f"; bf16 / fp32 {res['generation_bf16_over_fp32']:.2f}x")
+        + f"; bf16 / fp32 {res['generation_bf16_over_fp32']:.2f}x"
+        + (f" (without AMX {res['generation_bf16_no_amx_over_fp32']:.2f}x)"
+           if "generation_bf16_no_amx_over_fp32" in res else ""))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ packed for the decode, else ``small_matmul``; timed around each call, so its tim
 and the weight bytes they read, so a step splits into weight streaming and everything else (the other ops, Python and
 dispatch); the matmuls are counted in further steps with the fused decode ops off (a fused op calls its matmuls from
 C++). `--precision bf16` profiles the decode of generation's bf16 sampling copy (its weights read as bf16
-panels).
+panels; `--no-amx`: on the widened FMA kernel even where AMX tiles would run them).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.profile_step import is_aten
 from glm_lightning.generation import decode_cache, sampling_weights
-from glm_lightning.model import GLMConfig, GLMModel
+from glm_lightning.model import GLMConfig, GLMModel, cext
 from glm_lightning.model.ops import decode
 
 
@@ -51,10 +51,11 @@ def profile_decode(rows: int = 16, prompt_len: int = 64, by_frame: bool = False,
 
 def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: str = "flash-25m",
                 precision: str = "32") -> dict[str, Any]:
-    """Median seconds of a decode step of ``rows`` rows (after a prefill and two untimed steps), and per step: the
-    seconds inside the decode's few-row matmul calls (``panel_matmul`` on packed weights, or ``small_matmul``), their
-    number and the weight bytes they read (a padded expert with no row is not read), measured in further steps with
-    the fused decode ops (decode.FUSED) off, so that every matmul is a call of its own. The C++ ops must be loaded
+    """Median CPU seconds (process time: the machine may be shared; 1 thread) of a decode step of ``rows`` rows (after
+    a prefill and two untimed steps), and per step: the seconds inside the decode's few-row matmul calls
+    (``panel_matmul`` on packed weights, or ``small_matmul``), their number and the weight bytes they read (a padded
+    expert with no row is not read), measured in further steps with the fused decode ops (decode.FUSED) off, so that
+    every matmul is a call of its own. The C++ ops must be loaded
     for them to run; without them these fields are 0."""
     from glm_lightning.model.ops import matmul, moe
 
@@ -66,18 +67,18 @@ def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: s
     small, panel = matmul.small_matmul, matmul.panel_matmul
 
     def count(t: float, counts: torch.Tensor | None, matrix_bytes: int, matrices: int) -> None:
-        acc["s"] += time.perf_counter() - t
+        acc["s"] += time.process_time() - t
         acc["calls"] += 1
         acc["bytes"] += matrix_bytes * (matrices if counts is None else int((counts > 0).sum()))
 
     def timed_small(x2, weight, counts, bias=None, swiglu=False):
-        t = time.perf_counter()
+        t = time.process_time()
         y = small(x2, weight, counts, bias, swiglu)
         count(t, counts, weight.shape[-2] * weight.shape[-1] * weight.element_size(), 1)
         return y
 
     def timed_panel(x, panels, out, counts, bias=None):
-        t = time.perf_counter()
+        t = time.process_time()
         y = panel(x, panels, out, counts, bias)
         count(t, counts, out * panels.shape[-2] * panels.element_size(), 1)
         return y
@@ -93,9 +94,9 @@ def time_decode(rows: int = 16, steps: int = 12, prompt_len: int = 64, preset: s
             for _ in range(2):
                 model(tok, cache=cache)
             for _ in range(steps):
-                t = time.perf_counter()
+                t = time.process_time()
                 model(tok, cache=cache)
-                times.append(time.perf_counter() - t)
+                times.append(time.process_time() - t)
             # the matmuls inside the fused decode ops (block ops, moe_decode) are C++ calls nothing can wrap from
             # here: they are counted in steps with those ops off, each matmul its own call (same kernels, same bytes)
             with decode.without(decode.FUSED):
@@ -127,7 +128,11 @@ def main() -> None:
     p.add_argument("--by-frame", action="store_true")
     p.add_argument("--time", action="store_true", help="also time decode steps (no profiler): the matmuls' share")
     p.add_argument("--precision", default="32", choices=("32", "bf16"), help="bf16: generation's bf16 sampling copy")
+    p.add_argument("--no-amx", action="store_true",
+                   help="bf16 panels on the widened FMA kernel even where AMX tiles (csrc/amx_panels.h) would run")
     args = p.parse_args()
+    if args.no_amx and cext.available():
+        torch.ops.glm_lightning.panel_amx(False)
     n, counts = profile_decode(args.rows, by_frame=args.by_frame, precision=args.precision)
     for name, c in counts.most_common(args.top):
         print(f"{c:>6}  {name}")

@@ -15,9 +15,13 @@ untouched. Sampling draws its noise for every original row at every step (the ex
 when, or whether, rows are dropped.
 
 `precision="bf16"` samples from a copy of the model whose matrices are rounded to bf16 (`sampling_weights`:
-refreshed whenever the model's parameters changed since, e.g. after every optimizer step of RL): weight-only bf16.
-Activations, vectors (norm scales, biases, gate offsets), the caches and every op stay fp32; the decode steps read the
-matrices as bf16 panels (half the bytes a step streams; ops.matmul.packed, csrc/panel_matmul.cpp), on any CPU.
+refreshed whenever the model's parameters changed since, e.g. after every optimizer step of RL). Vectors (norm scales,
+biases, gate offsets), the caches, the prefill and every op but the decode's matmuls stay fp32. The decode steps read
+the matrices as bf16 panels (half the bytes a step streams; ops.matmul.packed, csrc/panel_matmul.cpp) and multiply
+them with their input rounded to bf16 (nearest even): bf16 x times bf16 W, summed in fp32, bias added in fp32, output
+fp32 (what autocast's bf16 linear computes, minus its output rounding). The same math on every CPU: on AMX tiles
+where the CPU has AMX-BF16 (within fp32 summation order), else widened to fp32 FMAs (bit for bit fp32 panels of the
+rounded weights applied to the rounded input).
 """
 
 from __future__ import annotations

@@ -43,40 +43,59 @@ def test_panel_matmul_equals_bmm_on_the_real_rows(shape):
         torch.ops.glm_lightning.panel_matmul(x, P, n_out + P.shape[-1])
 
 
-@pytest.mark.parametrize("shape", [(4, 5, 192, 768), (3, 16, 20, 7), (21, 20, 24, 17)])
-def test_bf16_panels_equal_fp32_panels_of_the_rounded_weights(shape):
-    """bf16 panels (half the bytes) widen to fp32 in registers: bit for bit the fp32 kernel on the bf16-rounded
-    weights (same products, same order), every row count and ragged edge, with and without counts and bias; within
-    1e-5 of an fp64 product of the rounded weights. panel_pack(W, bf16) rounds as torch does (nearest even), in the
-    same pass as the packing."""
+@pytest.fixture
+def widened():
+    """bf16 panels through the widened FMA kernel (AMX switched off where the CPU has it), restored after."""
+    torch.ops.glm_lightning.panel_amx(False)
+    yield
+    torch.ops.glm_lightning.panel_amx(True)
+
+
+def pairs(P32: torch.Tensor) -> torch.Tensor:
+    """fp32 panels [..., in, L] in bf16 panels' layout: `in` padded to even, rows k and k + 1 as L pairs."""
+    n_in, L = P32.shape[-2], P32.shape[-1]
+    padded = torch.nn.functional.pad(P32, (0, 0, 0, n_in % 2))
+    return padded.unflatten(-2, (-1, 2)).transpose(-1, -2).reshape(padded.shape)
+
+
+@pytest.mark.parametrize("shape", [(4, 5, 192, 768), (3, 16, 20, 7), (21, 20, 24, 17), (2, 40, 31, 33)])
+def test_bf16_panels_equal_fp32_panels_of_the_rounded_inputs(shape, widened):
+    """bf16 panels (half the bytes) take x rounded to bf16 (generation.py's numerics) and, widened to fp32 in
+    registers, give bit for bit the fp32 kernel on the rounded x and the rounded weights (same products, same order),
+    every row count and ragged edge, odd `in`, with and without counts and bias; within 1e-5 of an fp64 product of the
+    rounded operands. panel_pack(W, bf16) rounds as torch does (nearest even), in the same pass as the packing, into
+    pairs of rows (the AMX layout, amx_panels.h)."""
     E, M, n_in, n_out = shape
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(E, M, n_in, generator=gen)
     W = torch.randn(E, n_out, n_in, generator=gen) * n_in ** -0.5
     bias = torch.randn(E, n_out, generator=gen)
-    rounded = W.to(torch.bfloat16).float()
+    rounded, xr = W.to(torch.bfloat16).float(), x.to(torch.bfloat16).float()
     P16 = torch.ops.glm_lightning.panel_pack(W, torch.bfloat16)
     P32 = torch.ops.glm_lightning.panel_pack(rounded)
-    assert P16.dtype == torch.bfloat16 and torch.equal(P16.float(), P32)
+    assert P16.dtype == torch.bfloat16 and torch.equal(P16.float(), pairs(P32))
     assert torch.equal(torch.ops.glm_lightning.panel_pack(W.to(torch.bfloat16)), P16)
     assert torch.equal(torch.ops.glm_lightning.panel_pack(W.to(torch.bfloat16), torch.float32), P32)
     counts = torch.randint(0, M + 1, (E,), generator=gen)
-    ref = torch.bmm(x.double(), rounded.double().transpose(1, 2))
+    ref = torch.bmm(xr.double(), rounded.double().transpose(1, 2))
     for c in (None, counts):
         for b in (None, bias):
             y = torch.ops.glm_lightning.panel_matmul(x, P16, n_out, c, b)
-            assert torch.equal(y, torch.ops.glm_lightning.panel_matmul(x, P32, n_out, c, b))
+            assert torch.equal(y, torch.ops.glm_lightning.panel_matmul(xr, P32, n_out, c, b))
     torch.testing.assert_close(torch.ops.glm_lightning.panel_matmul(x, P16, n_out).double(), ref, rtol=1e-5,
                                atol=1e-5)
     one = torch.ops.glm_lightning.panel_matmul(x[1], torch.ops.glm_lightning.panel_pack(W[1], torch.bfloat16), n_out)
-    assert torch.equal(one, torch.ops.glm_lightning.panel_matmul(x[1], P32[1], n_out))
+    assert torch.equal(one, torch.ops.glm_lightning.panel_matmul(xr[1], P32[1], n_out))
     with pytest.raises(RuntimeError, match="x must be fp32"):
         torch.ops.glm_lightning.panel_matmul(x.to(torch.bfloat16), P16, n_out)
+    if n_in % 2:  # bf16 panels hold in + 1 rows: as fp32 they do not match x
+        with pytest.raises(RuntimeError, match="panel_pack"):
+            torch.ops.glm_lightning.panel_matmul(x, P16.float(), n_out)
 
 
-def test_linear_inside_a_bf16_decode_packs_bf16_panels(monkeypatch):
+def test_linear_inside_a_bf16_decode_packs_bf16_panels(monkeypatch, widened):
     """A store of dtype bf16 (cache.PanelStore, a bf16 sampling copy's decode) packs the weight once as bf16 panels;
-    on a weight holding bf16 values the linear's output is bit for bit that of fp32 panels."""
+    on a weight holding bf16 values the linear's output is bit for bit that of fp32 panels on x rounded to bf16."""
     from glm_lightning.model.cache import PanelStore
 
     monkeypatch.setattr(thresholds, "SMALL_ROWS", 32)
@@ -88,7 +107,7 @@ def test_linear_inside_a_bf16_decode_packs_bf16_panels(monkeypatch):
         with matmul.packed_weights(s16):
             y16 = matmul.linear(x, W, b)
         with matmul.packed_weights(s32):
-            y32 = matmul.linear(x, W, b)
+            y32 = matmul.linear(x.to(torch.bfloat16).float(), W, b)
     assert s16[W].dtype == torch.bfloat16 and s32[W].dtype == torch.float32
     assert torch.equal(y16, y32)
 
@@ -193,6 +212,8 @@ def test_panel_pack_layout(shape, dtype):
     padded = torch.zeros(*W.shape[:-2], P.shape[-3] * L, inn)
     padded[..., :out, :] = W
     want = padded.view(*W.shape[:-2], -1, L, inn).transpose(-1, -2).to(dtype)
+    if dtype == torch.bfloat16:  # rows k, k + 1 as L pairs, `in` padded to even (amx_panels.h)
+        want = pairs(want)
     assert P.dtype == dtype and P.shape == want.shape
     assert torch.equal(P.isnan(), want.isnan()) and torch.equal(P.nan_to_num(), want.nan_to_num())
 

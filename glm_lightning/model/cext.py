@@ -44,7 +44,8 @@ SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
     "site_read.cpp", "short_conv.cpp", "swiglu.cpp", "moe_rows.cpp", "kda_pointwise.cpp", "moe_route.cpp",
     "rms_norm.cpp", "decode_attention.cpp", "panel_matmul.cpp", "rotary.cpp", "moe_decode.cpp",
     "block_decode.cpp"))
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("kernel_helpers.h", "lanes.h", "sinkhorn.h"))
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("kernel_helpers.h", "lanes.h", "sinkhorn.h",
+                                                                   "amx_panels.h"))
 """Included by the sources: hashed with them, so that a change rebuilds the library."""
 BUILD_TIMEOUT_S = 2400
 """Upper bound of one build's wall time: ~4 min of g++ CPU time on a 2-core AVX2 machine (247 s; about 2 min of wall

@@ -9,7 +9,7 @@
 // in registers over the whole `in` loop, and the next weights are prefetched.
 //
 //   panel_pack(W [out, in] or [E, out, in], dtype) -> P [ceil(out / L), in, L] or [E, ceil(out / L), in, L]
-//       (P in dtype: fp32 or bf16; None: W's)
+//       (P in dtype: fp32 or bf16; None: W's. bf16: [.., in + in % 2, L], rows k, k + 1 as L pairs)
 //   panel_matmul(x [..., in], P [panels, in, L], out, None, bias [out]) -> y [..., out]   (M rows: x's leading dims)
 //   panel_matmul(x [E, M, in], P [E, ...], out, counts [E] int64, bias [E, out]) -> y [E, M, out]
 //       y[e, m] = W[e] x[e, m] + bias[e] for m < counts[e]; 0 for the padding rows m >= counts[e]
@@ -18,19 +18,28 @@
 // or outputs are, so a token's output never depends on its batch. The order differs from BLAS's and small_matmul's
 // in the last bits (tests: within 1e-5 of torch.mm).
 //
-// P may be fp32 or bf16 (panel_pack's dtype); x, bias and y are fp32 either way. bf16 panels are half the
-// bytes a decode step streams: each panel row is widened to fp32 in registers (lanes.h: load_bf16, exact) and
-// multiplied as before, so the products and their order are those of the fp32 kernel on the bf16 values (tests:
-// bit for bit against fp32 panels of W.bfloat16().float()). One template over the stored type serves both.
+// P may be fp32 or bf16 (panel_pack's dtype); x, bias and y are fp32 either way. bf16 panels are half the bytes a
+// decode step streams, and take x rounded to bf16 (nearest even, as c10::BFloat16): y = round(x) W^T + b, products
+// of bf16 values summed in fp32, the bias added in fp32 (autocast's bf16 linear without its output rounding; the
+// numerics contract of generation.py's precision="bf16"). bf16 panels hold rows k, k + 1 as pairs (`in` padded to
+// even: amx_panels.h's layout). Where the CPU has AMX-BF16 and the kernel grants the tiles (amx_on) they run on AMX
+// tiles (amx_panels.h: within fp32 summation order of the reference, tests/test_panel_amx.py); elsewhere each pair
+// row is widened to fp32 in registers (exact) and multiplied with the rounded x as the fp32 kernel does, so the
+// products and their order are those of the fp32 kernel on the rounded operands (tests: bit for bit against fp32
+// panels of W.bfloat16().float() applied to x.bfloat16().float()). One template over the stored type serves both.
+//
+//   panel_amx(enable or None) -> bool: switch the AMX form on (where available) or off; whether it is on
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <vector>
 
+#include "amx_panels.h"
 #include "kernel_helpers.h"
 
 namespace {
@@ -58,27 +67,62 @@ constexpr int kTileAcc = 12;
 
 // One panel row of L weights as fp32 lanes, from fp32 or from bf16 bits.
 inline PVec load_w(const float* p) { return glm_lightning_ops::Lanes<float>::load(p); }
-inline PVec load_w(const uint16_t* p) { return glm_lightning_ops::load_bf16(p); }
 
-// y[m0 .. m0+MB, panels p0 .. p0+V] for MB rows of x and V panels starting at P (panel stride in * L); the MB x V
-// accumulators stay in registers across k. x is rows (row stride `in`) or, with XT, the block transposed ([in, MB]:
-// x_block[i, k] at x[k * MB + i], see transpose_blocks). Writes the first `cols` outputs of the last panel (fewer than
-// L at a matrix's ragged end), adding bias (nullable) at the panel's outputs.
+// Rows a panel holds: `in`, padded to even for bf16 (pairs).
+template <typename D>
+constexpr int64_t panel_rows(int64_t in) {
+  return std::is_same_v<D, float> ? in : in + (in & 1);
+}
+
+// Two bf16 panel rows k, k + 1 stored as L pairs (amx_panels.h's layout) widened to fp32 lanes, exactly: each pair is
+// one 32-bit word, row k its low half (shifted up), row k + 1 its high half (masked); two integer instructions.
+inline void load_pair(const uint16_t* p, PVec& w0, PVec& w1) {
+  typedef uint32_t Word __attribute__((vector_size(kPanel * sizeof(uint32_t))));
+  Word w;
+  std::memcpy(&w, p, sizeof(w));
+  const Word lo = w << 16, hi = w & 0xFFFF0000u;
+  std::memcpy(&w0, &lo, sizeof(w0));
+  std::memcpy(&w1, &hi, sizeof(w1));
+}
+
+// y[m0 .. m0+MB, panels p0 .. p0+V] for MB rows of x and V panels starting at P (panel stride panel_rows * L); the
+// MB x V accumulators stay in registers across k. x is rows (row stride `in`) or, with XT, the block transposed
+// ([in, MB]: x_block[i, k] at x[k * MB + i], see transpose_blocks). Writes the first `cols` outputs of the last panel
+// (fewer than L at a matrix's ragged end), adding bias (nullable) at the panel's outputs.
 template <int MB, int V, bool XT, typename W>
 inline void tile(const float* __restrict x, const W* __restrict P, float* __restrict y, int64_t in, int64_t out,
                  int64_t last_cols, const float* bias, bool prefetch) {
   PVec acc[MB][V];
   for (int i = 0; i < MB; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = PVec{};
-  const int64_t stride = in * kPanel;
-  for (int64_t k = 0; k < in; ++k) {
-    PVec w[V];
-    for (int v = 0; v < V; ++v) w[v] = load_w(P + v * stride + k * kPanel);
-    if (prefetch)  // the next V panels (contiguous after these: the next tile's, task's or matrix's), row for row
-      for (int v = 0; v < V; ++v) __builtin_prefetch(P + (V + v) * stride + k * kPanel, 0, 3);
-    for (int i = 0; i < MB; ++i) {
-      const float xi = XT ? x[k * MB + i] : x[i * in + k];
-      for (int v = 0; v < V; ++v) acc[i][v] += xi * w[v];
+  if constexpr (std::is_same_v<W, float>) {
+    const int64_t stride = in * kPanel;
+    for (int64_t k = 0; k < in; ++k) {
+      PVec w[V];
+      for (int v = 0; v < V; ++v) w[v] = load_w(P + v * stride + k * kPanel);
+      if (prefetch)  // the next V panels (contiguous after these: the next tile's, task's or matrix's), row for row
+        for (int v = 0; v < V; ++v) __builtin_prefetch(P + (V + v) * stride + k * kPanel, 0, 3);
+      for (int i = 0; i < MB; ++i) {
+        const float xi = XT ? x[k * MB + i] : x[i * in + k];
+        for (int v = 0; v < V; ++v) acc[i][v] += xi * w[v];
+      }
+    }
+  } else {  // bf16 pairs (amx_panels.h's layout): rows k and k + 1 from one load, multiplied in that order
+    const int64_t stride = (in + (in & 1)) * kPanel;
+    for (int64_t k = 0; k < in; k += 2) {
+      PVec w0[V], w1[V];
+      for (int v = 0; v < V; ++v) load_pair(P + v * stride + k * kPanel, w0[v], w1[v]);
+      if (prefetch)
+        for (int v = 0; v < V; ++v) __builtin_prefetch(P + (V + v) * stride + k * kPanel, 0, 3);
+      for (int i = 0; i < MB; ++i) {
+        const float xi = XT ? x[k * MB + i] : x[i * in + k];
+        for (int v = 0; v < V; ++v) acc[i][v] += xi * w0[v];
+      }
+      if (k + 1 == in) break;  // an odd `in`: the pair's second row is padding
+      for (int i = 0; i < MB; ++i) {
+        const float xi = XT ? x[(k + 1) * MB + i] : x[i * in + k + 1];
+        for (int v = 0; v < V; ++v) acc[i][v] += xi * w1[v];
+      }
     }
   }
   for (int v = 0; v < V; ++v) {
@@ -130,13 +174,13 @@ inline void tiles(const float* x, const W* P, float* y, int64_t rows, int64_t p_
     const int64_t last_cols = std::min<int64_t>(kPanel, out - (p + v - 1) * kPanel);
     if (v == V) {
       for (int64_t m = 0; m < rows; m += kTileAcc / V)
-        tile_rows<V, XT>(std::min<int64_t>(kTileAcc / V, rows - m), x + m * in, P + p * in * kPanel,
+        tile_rows<V, XT>(std::min<int64_t>(kTileAcc / V, rows - m), x + m * in, P + p * panel_rows<W>(in) * kPanel,
                      y + m * out + p * kPanel, in, out, last_cols, bias == nullptr ? nullptr : bias + p * kPanel,
                      m == 0);
     } else {
       for (int64_t j = p; j < p + v; ++j)
         for (int64_t m = 0; m < rows; m += kTileAcc)
-          tile_rows<1, false>(std::min<int64_t>(kTileAcc, rows - m), x + m * in, P + j * in * kPanel,
+          tile_rows<1, false>(std::min<int64_t>(kTileAcc, rows - m), x + m * in, P + j * panel_rows<W>(in) * kPanel,
                        y + m * out + j * kPanel, in, out, j == p + v - 1 ? last_cols : kPanel,
                        bias == nullptr ? nullptr : bias + j * kPanel, m == 0);
     }
@@ -206,6 +250,27 @@ inline void pack_store(at::BFloat16* p, const PVec& v) {
   glm_lightning_ops::store_bf16(reinterpret_cast<uint16_t*>(p), v);
 }
 
+// Rows j, j + 1 of a transposed block as L pairs (amx_panels.h's layout): lanes c of `a` and `b` interleaved.
+template <int... I>
+inline void zip(const PVec& a, const PVec& b, PVec& lo, PVec& hi, std::integer_sequence<int, I...>) {
+  lo = __builtin_shufflevector(a, b, ((I % 2) * kPanel + I / 2)...);
+  hi = __builtin_shufflevector(a, b, ((I % 2) * kPanel + kPanel / 2 + I / 2)...);
+}
+
+// The panel rows [k0, k0 + n) of a transposed block r into the panel at dst: fp32 row by row; bf16 as pairs of rows
+// (n rounded up to even: an odd `in`'s padding row is one of r's zero rows).
+inline void pack_rows(float* dst, PVec* r, int64_t k0, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) pack_store(dst + (k0 + j) * kPanel, r[j]);
+}
+inline void pack_rows(at::BFloat16* dst, PVec* r, int64_t k0, int64_t n) {
+  for (int64_t j = 0; j < n; j += 2) {
+    PVec lo, hi;
+    zip(r[j], r[j + 1], lo, hi, std::make_integer_sequence<int, kPanel>{});
+    pack_store(dst + (k0 + j) * kPanel, lo);
+    pack_store(dst + (k0 + j) * kPanel + kPanel, hi);
+  }
+}
+
 template <typename S, typename D>
 void pack(const S* wp, D* pp, int64_t E, int64_t out, int64_t in, int64_t panels) {
   at::parallel_for(0, E * panels, 1, [&](int64_t begin, int64_t end) {
@@ -213,7 +278,7 @@ void pack(const S* wp, D* pp, int64_t E, int64_t out, int64_t in, int64_t panels
     S tail[kPanel * kPanel];  // the ragged end of `in`, zero padded
     for (int64_t t = begin; t < end; ++t) {
       const int64_t e = t / panels, p = t % panels, cols = std::min(kPanel, out - p * kPanel);
-      D* dst = pp + t * in * kPanel;
+      D* dst = pp + t * panel_rows<D>(in) * kPanel;
       const S* src = wp + (e * out + p * kPanel) * in;
       for (int64_t k0 = 0; k0 < in; k0 += kPanel) {
         const int64_t n = std::min(kPanel, in - k0);
@@ -224,7 +289,7 @@ void pack(const S* wp, D* pp, int64_t E, int64_t out, int64_t in, int64_t panels
         for (int64_t c = 0; c < kPanel; ++c)
           r[c] = c >= cols ? PVec{} : n < kPanel ? pack_load(tail + c * kPanel) : pack_load(src + c * in + k0);
         glm_lightning_ops::Lanes<float>::transpose(r);
-        for (int64_t j = 0; j < n; ++j) pack_store(dst + (k0 + j) * kPanel, r[j]);
+        pack_rows(dst, r, k0, n);
       }
     }
   });
@@ -244,8 +309,10 @@ at::Tensor panel_pack(const at::Tensor& W_in, std::optional<at::ScalarType> dtyp
   const bool one = W_in.dim() == 2;
   const at::Tensor W = W_in.contiguous();
   const int64_t E = one ? 1 : W.size(0), out = W.size(-2), in = W.size(-1), panels = (out + kPanel - 1) / kPanel;
-  at::Tensor P = at::empty(one ? at::IntArrayRef{panels, in, kPanel} : at::IntArrayRef{E, panels, in, kPanel},
-                           W.options().dtype(dtype.value_or(W.scalar_type())));
+  const at::ScalarType dt = dtype.value_or(W.scalar_type());
+  const int64_t rows = dt == at::kBFloat16 ? panel_rows<at::BFloat16>(in) : in;
+  at::Tensor P = at::empty(one ? at::IntArrayRef{panels, rows, kPanel} : at::IntArrayRef{E, panels, rows, kPanel},
+                           W.options().dtype(dt));
   with_type(W.scalar_type(), [&](auto s) {
     with_type(P.scalar_type(), [&](auto d) {
       using S = decltype(s);
@@ -256,12 +323,93 @@ at::Tensor panel_pack(const at::Tensor& W_in, std::optional<at::ScalarType> dtyp
   return P;
 }
 
-// The matrices' tasks: CHUNK panels of one matrix each, against its real rows.
+// The one place that decides whether bf16 panels go through AMX tiles (amx_panels.h): compiled for them, the CPU has
+// them, the kernel granted the tile data, and not switched off (panel_amx: tests and benchmarks compare the forms).
+std::atomic<bool> amx_wanted{true};
+
+bool amx_available() {
+#if GLM_LIGHTNING_AMX
+  static const bool granted = glm_lightning_amx::amx_granted();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+bool amx_on() { return amx_wanted.load(std::memory_order_relaxed) && amx_available(); }
+
+// n values of x rounded to bf16 as c10::BFloat16 rounds (nearest, ties to even), as bits (`bits`) or widened back to
+// fp32 (`wide`; either may be null): the input of a product with bf16 panels.
+void round_bf16(const float* x, uint16_t* bits, float* wide, int64_t n) {
+  using L = glm_lightning_ops::Lanes<float>;
+  int64_t i = 0;
+  for (; i + kPanel <= n; i += kPanel) {
+    uint16_t h[kPanel];
+    glm_lightning_ops::store_bf16(h, L::load(x + i));
+    if (bits != nullptr) std::memcpy(bits + i, h, sizeof(h));
+    if (wide != nullptr) L::store(wide + i, glm_lightning_ops::load_bf16(h));
+  }
+  for (; i < n; ++i) {
+    const c10::BFloat16 h(x[i]);
+    if (bits != nullptr) bits[i] = h.x;
+    if (wide != nullptr) wide[i] = static_cast<float>(h);
+  }
+}
+
+constexpr int64_t CHUNK = 4;  // panels per task (64 outputs at 16 lanes; a [192, in] linear: 3 tasks)
+
+#if GLM_LIGHTNING_AMX
+// bf16 panels through AMX tiles: x's real rows rounded to bf16 once per call into [E, Mp, in_pad] (Mp: M rounded up
+// to 16 rows; padding rows and the odd `in`'s padding column zero), then the same tasks as run_tasks, each thread
+// loading the tile configuration for its task range and releasing the tiles after it.
+void run_amx(const float* xp, const uint16_t* pp, float* yp, const float* bp, const int64_t* cp, int64_t E, int64_t M,
+             int64_t in, int64_t out, int64_t panels) {
+  namespace amx = glm_lightning_amx;
+  const int64_t in_pad = in + (in & 1), Mp = (M + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
+  static_assert(kPanel == 16 && CHUNK == amx::kGroup);
+  thread_local std::vector<uint16_t> x_b;
+  if (static_cast<int64_t>(x_b.size()) < E * Mp * in_pad) x_b.resize(E * Mp * in_pad);
+  uint16_t* xb = x_b.data();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = cp == nullptr ? M : cp[e];
+    uint16_t* base = xb + e * Mp * in_pad;
+    for (int64_t m = 0; m < rows; ++m) {
+      round_bf16(xp + (e * M + m) * in, base + m * in_pad, nullptr, in);
+      if (in_pad > in) base[m * in_pad + in] = 0;
+    }
+    const int64_t end = (rows + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
+    std::fill(base + rows * in_pad, base + end * in_pad, uint16_t{0});
+  }
+  const int64_t per_e = (panels + CHUNK - 1) / CHUNK;
+  at::parallel_for(0, E * per_e, 1, [&](int64_t begin, int64_t end) {
+    amx::configure(in_pad);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t e = task / per_e, p_begin = (task % per_e) * CHUNK, p_end = std::min(panels, p_begin + CHUNK);
+      const int64_t rows = cp == nullptr ? M : cp[e];
+      if (rows == 0) continue;
+      amx::matrix(xb + e * Mp * in_pad, pp + e * panels * in_pad * kPanel, yp + e * M * out, rows, p_begin, p_end,
+                  in_pad, out, bp == nullptr ? nullptr : bp + e * out);
+    }
+    amx::release();
+  });
+}
+#endif
+
+// The matrices' tasks: CHUNK panels of one matrix each, against its real rows. bf16 panels take x rounded to bf16
+// (through AMX tiles where amx_on, else widened: x's rounded values in fp32 times the widened weights).
 template <typename W>
 void run_tasks(const float* xp, const W* pp, float* yp, const float* bp, const int64_t* cp, int64_t E, int64_t M,
                int64_t in, int64_t out, int64_t panels) {
-  constexpr int64_t CHUNK = 4;  // panels per task (64 outputs at 16 lanes; a [192, in] linear: 3 tasks)
-  const int64_t per_e = (panels + CHUNK - 1) / CHUNK;
+  if constexpr (std::is_same_v<W, uint16_t>) {
+#if GLM_LIGHTNING_AMX
+    if (amx_on()) return run_amx(xp, pp, yp, bp, cp, E, M, in, out, panels);
+#endif
+    thread_local std::vector<float> x_r;
+    if (static_cast<int64_t>(x_r.size()) < E * M * in) x_r.resize(E * M * in);
+    round_bf16(xp, nullptr, x_r.data(), E * M * in);
+    xp = x_r.data();
+  }
+  const int64_t per_e = (panels + CHUNK - 1) / CHUNK, pstride = panel_rows<W>(in) * kPanel;
   // The tall matrices' transposed blocks, once per call (every task of a matrix reads them); the buffer is this
   // thread's, reused across calls (the decode makes ~130 a step).
   thread_local std::vector<float> x_t;
@@ -277,10 +425,16 @@ void run_tasks(const float* xp, const W* pp, float* yp, const float* bp, const i
       const int64_t e = task / per_e, p_begin = (task % per_e) * CHUNK, p_end = std::min(panels, p_begin + CHUNK);
       const int64_t rows = cp == nullptr ? M : cp[e];
       if (rows == 0) continue;
-      matrix(xp + e * M * in, tall(rows) ? tp + e * M * in : nullptr, pp + e * panels * in * kPanel,
+      matrix(xp + e * M * in, tall(rows) ? tp + e * M * in : nullptr, pp + e * panels * pstride,
              yp + e * M * out, rows, p_begin, p_end, in, out, bp == nullptr ? nullptr : bp + e * out);
     }
   });
+}
+
+// panel_amx(enable): switch the AMX form on (where available) or off; returns whether bf16 panels now use it.
+bool panel_amx(std::optional<bool> enable) {
+  if (enable.has_value()) amx_wanted.store(*enable, std::memory_order_relaxed);
+  return amx_on();
 }
 
 }  // namespace
@@ -300,8 +454,9 @@ at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& P_in, int64_t 
   const at::Tensor x = x_in.contiguous(), P = P_in.contiguous();
   const int64_t in = x.size(-1), E = one ? 1 : x.size(0), M = one ? x.numel() / std::max<int64_t>(in, 1) : x.size(1),
                 panels = P.size(-3);
-  TORCH_CHECK(P.size(-2) == in && P.size(-1) == kPanel, "P must be panel_pack's [.., panels, in, ", kPanel,
-              "] for x's in = ", in);
+  const int64_t rows_p = P.scalar_type() == at::kFloat ? in : panel_rows<uint16_t>(in);  // bf16: pairs
+  TORCH_CHECK(P.size(-2) == rows_p && P.size(-1) == kPanel, "P must be panel_pack's [.., panels, ", rows_p, ", ",
+              kPanel, "] for x's in = ", in);
   TORCH_CHECK(out > (panels - 1) * kPanel && out <= panels * kPanel, "out ", out, " does not match ", panels,
               " panels");
   at::Tensor counts;
@@ -334,6 +489,7 @@ at::Tensor panel_matmul(const at::Tensor& x_in, const at::Tensor& P_in, int64_t 
 TORCH_LIBRARY_FRAGMENT(glm_lightning, m) {
   m.def("panel_pack(Tensor W, ScalarType? dtype=None) -> Tensor");
   m.def("panel_matmul(Tensor x, Tensor P, int out, Tensor? counts=None, Tensor? bias=None) -> Tensor");
+  m.def("panel_amx(bool? enable=None) -> bool", &panel_amx);  // no tensors: one kernel for every backend
 }
 
 TORCH_LIBRARY_IMPL(glm_lightning, CPU, m) {
