@@ -387,6 +387,10 @@ def test_segment_choice_at_the_model_sizes():
         assert not segments(4096, 8192, 1032, 8, 192 * 384)      # 1.008x
         assert not segments(1024, 2048, 563, 4, 48 * 96)         # 1.1x
         assert segments(1024, 2048, 800, 4, 48 * 96)             # 1.56x
+        # bf16 GEMMs (bf16-mixed training) keep the padded batch up to SEGMENT_PADDING_BF16 (1.25)
+        assert not segments(4096, 8192, 1040, 8, 192 * 384, bf16=True)
+        assert not segments(4096, 8192, 1270, 8, 192 * 384, bf16=True)   # 1.24x
+        assert segments(4096, 8192, 1290, 8, 192 * 384, bf16=True)       # 1.26x
     finally:
         thresholds.SEGMENT_TOKENS, thresholds.SEGMENT_PADDING, thresholds.SEGMENT_PADDING_WORK = old
 

@@ -316,12 +316,13 @@ def _moe_route(s: Tensor, bias: Tensor, top_k: int, scale: float, batch: int,
     return w, aux, idx, counts, None
 
 
-def _segments(tokens: int, assignments: int, cap: int, E: int, dh: int) -> bool:
+def _segments(tokens: int, assignments: int, cap: int, E: int, dh: int, bf16: bool = False) -> bool:
     """Whether the experts run per segment (thresholds.py): from SEGMENT_TOKENS tokens, when the padded batch is at
-    least SEGMENT_PADDING times the assignments and its padding rows' GEMM work (rows x d x h, per expert) reaches
-    SEGMENT_PADDING_WORK, what a segment's extra dispatched ops cost."""
+    least SEGMENT_PADDING (SEGMENT_PADDING_BF16 for bf16 GEMMs) times the assignments and its padding rows' GEMM
+    work (rows x d x h, per expert) reaches SEGMENT_PADDING_WORK, what a segment's extra dispatched ops cost."""
     padding = E * cap - assignments
-    return (tokens >= thresholds.SEGMENT_TOKENS and E * cap >= thresholds.SEGMENT_PADDING * assignments
+    ratio = thresholds.SEGMENT_PADDING_BF16 if bf16 else thresholds.SEGMENT_PADDING
+    return (tokens >= thresholds.SEGMENT_TOKENS and E * cap >= ratio * assignments
             and padding * dh >= thresholds.SEGMENT_PADDING_WORK * E)
 
 
@@ -338,7 +339,8 @@ def moe_experts(x: Tensor, idx: Tensor, w: Tensor, w_gate_up: Tensor, w_down: Te
     if cap == 0:  # no tokens at all
         return torch.zeros_like(x)
     pos, slot = assignment_rows(idx, counts) if rows is None else rows  # token n's k-th choice at n * K + k
-    if _segments(x.shape[0], pos.numel(), cap, w_gate_up.shape[0], x.shape[-1] * w_down.shape[-1]):
+    if _segments(x.shape[0], pos.numel(), cap, w_gate_up.shape[0], x.shape[-1] * w_down.shape[-1],
+                 bf16=x.dtype is torch.bfloat16):
         order = torch.empty_like(pos).index_copy_(0, pos, torch.arange(pos.numel(), device=x.device))
         return _SegmentExperts.apply(x, w, w_gate_up, w_down, order // K, pos, counts)
     if (x.shape[0] <= thresholds.SMALL_TOKENS and not torch.is_grad_enabled()

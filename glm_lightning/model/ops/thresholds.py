@@ -73,6 +73,13 @@ AVX-512 + AMX, 1 thread, ``python -m benchmarks.bench_moe_train --study-step``) 
 largest load ~1.4x the mean; flash-25m (d 192, h 384) switches from ~14 padding rows per expert (a largest load
 ~1.013x the mean at 4,096 tokens; a fresh model's 12 layers: 1.04-1.18x)."""
 
+SEGMENT_PADDING_BF16 = 1.25
+"""SEGMENT_PADDING where the experts' GEMMs run in bf16 (bf16-mixed training, mixed_precision.py): the earlier rule,
+kept because there the padded batch's bf16 GEMMs (oneDNN, AMX on this Xeon) make its padding rows cheap and the
+segments' per-expert calls dear: a whole bf16-mixed flash-25m step took 3.03 s with segments at 1.0 against 2.40 s
+with the padded batch (medians of 4, in turns in one process, CPU time, Intel Xeon AVX-512 + AMX, 1 thread;
+`bench_bf16_trees` read bf16 / fp32 1.24x with them, 1.78x before)."""
+
 DECODE_GATHER_MIN_KEYS_PER_TOP_K = 4
 """A DSA decode step (one query per row) gathers its top-k keys and values once the cache holds at least this many
 times top_k keys; below, it attends over all keys under the top-k mask. Both give the same result. First set with
@@ -83,6 +90,7 @@ docs/performance.md, "The ops layer")."""
 
 DEFAULTS: dict[str, float] = {"SMALL_ROWS": SMALL_ROWS, "SMALL_TOKENS": SMALL_TOKENS, "SEGMENT_TOKENS": SEGMENT_TOKENS,
                                "SEGMENT_PADDING": SEGMENT_PADDING, "SEGMENT_PADDING_WORK": SEGMENT_PADDING_WORK,
+                               "SEGMENT_PADDING_BF16": SEGMENT_PADDING_BF16,
                                "DECODE_GATHER_MIN_KEYS_PER_TOP_K": DECODE_GATHER_MIN_KEYS_PER_TOP_K}
 """The shipped values above: the op table's defaults (choice.py). Where this CPU's table was measured
 (``python -m glm_lightning.model.ops.tune``), choice.apply sets the names above to its values."""
