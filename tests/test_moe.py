@@ -344,18 +344,25 @@ def test_segment_experts_gradcheck():
                                     (x, w, wgu, wd), fast_mode=True)
 
 
-def test_segment_experts_for_balanced_loads_from_segment_tokens(monkeypatch):
-    """With SEGMENT_PADDING 1.0 (shipped), calls from SEGMENT_TOKENS on run the segments even with balanced loads once
-    the padding rows' work reaches SEGMENT_PADDING_WORK per expert; smaller calls and less padding work keep the
-    padded batch."""
-    assert thresholds.DEFAULTS["SEGMENT_PADDING"] == 1.0
+def _segment_probe(monkeypatch) -> tuple:
+    """(model, x, calls): make(seed=6) loaded about evenly by 400 tokens x (some padding in the batch), with every
+    _SegmentExperts call appended to calls."""
     m = make(seed=6)
-    monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.0)
     calls = []
     real = moe_mod._SegmentExperts.apply
     monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(1, 400, 16)
     m.expert_bias.copy_(torch.tensor([0.0, -0.02, 0.01, 0.02]))
+    return m, x, calls
+
+
+def test_segment_experts_for_balanced_loads_from_segment_tokens(monkeypatch):
+    """With SEGMENT_PADDING 1.0 (shipped), calls from SEGMENT_TOKENS on run the segments even with balanced loads once
+    the padding rows' work reaches SEGMENT_PADDING_WORK per expert; smaller calls and less padding work keep the
+    padded batch."""
+    assert thresholds.DEFAULTS["SEGMENT_PADDING"] == 1.0
+    monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.0)
+    m, x, calls = _segment_probe(monkeypatch)
     with torch.no_grad():
         loads = torch.bincount(m.route(x.view(400, 16))[1].flatten(), minlength=4)
         assert 800 < 4 * int(loads.max()) < 1.25 * 800  # balanced, some padding
@@ -398,15 +405,10 @@ def test_segment_choice_at_the_model_sizes():
 def test_segment_experts_only_for_unequal_loads(monkeypatch):
     """With SEGMENT_PADDING above 1, balanced loads keep the padded batch (fewer dispatched ops); a skewed router
     switches to the segments."""
-    m = make(seed=6)
     monkeypatch.setattr(thresholds, "SEGMENT_TOKENS", 64)
     monkeypatch.setattr(thresholds, "SEGMENT_PADDING", 1.25)
     monkeypatch.setattr(thresholds, "SEGMENT_PADDING_WORK", 0)
-    calls = []
-    real = moe_mod._SegmentExperts.apply
-    monkeypatch.setattr(moe_mod._SegmentExperts, "apply", lambda *a: calls.append(1) or real(*a))
-    x = torch.randn(1, 400, 16)
-    m.expert_bias.copy_(torch.tensor([0.0, -0.02, 0.01, 0.02]))
+    m, x, calls = _segment_probe(monkeypatch)
     with torch.no_grad():
         loads = torch.bincount(m.route(x.view(400, 16))[1].flatten(), minlength=4)
         assert 4 * int(loads.max()) < thresholds.SEGMENT_PADDING * 800

@@ -346,6 +346,36 @@ struct SiteGrads {
   T eps;
 };
 
+// One token's logit gradients: the gates' (l < 2n) through their sigmoids from dh . x_l or dpost, the res logits'
+// (l >= 2n) from drp; dbias and dalpha accumulate, dr [L] receives dz_l r. Returns sum_l dz_l raw_l, the RMS norm's
+// term of dx. Both backward forms call it, so they sum in the same order.
+template <typename T>
+inline T token_logit_grads(const SiteGrads<T>& a, int64_t t, int64_t n, int64_t C, const T* drp, T* __restrict dbias,
+                           T* __restrict dalpha, T* __restrict dr) {
+  const int64_t nC = n * C, L = n * n + 2 * n, nn = n * n;
+  const T* xt = a.x + t * nC;
+  const T* dht = a.dh + t * C;
+  const T r = a.inv[t];
+  T dz_raw = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    T dlogit;
+    if (l < 2 * n) {
+      const T dg = l < n ? dot(dht, xt + l * C, C) : a.dpost[t * n + l - n];
+      const T s = a.sig[t * 2 * n + l];
+      dlogit = dg * a.scale[l] * (s - s * s);
+    } else {
+      dlogit = drp[t * nn + l - 2 * n];
+    }
+    const T rw = a.raw[t * L + l];
+    dbias[l] += dlogit;
+    dalpha[l] += dlogit * rw * r;
+    const T dz = dlogit * a.alpha_e[l];
+    dz_raw += dz * rw;
+    dr[l] = dz * r;
+  }
+  return dz_raw;
+}
+
 template <typename T, int NS>
 void backward_core(const SiteGrads<T>& a, int64_t N, int64_t n, int64_t C, T* dxp, T* dphi_all, T* dsum_all) {
   const int64_t nC = n * C, L = n * n + 2 * n, nn = n * n;
@@ -379,23 +409,7 @@ void backward_core(const SiteGrads<T>& a, int64_t N, int64_t n, int64_t C, T* dx
           const T* dht = a.dh + t * C;
           if (t + kSiteBlock < N) prefetch(xt + kSiteBlock * nC, nC), prefetch(dht + kSiteBlock * C, C);
           const T r = a.inv[t];
-          T dz_raw = 0;
-          for (int64_t l = 0; l < L; ++l) {
-            T dlogit;
-            if (l < 2 * n) {
-              const T dg = l < n ? dot(dht, xt + l * C, C) : a.dpost[t * n + l - n];
-              const T s = a.sig[t * 2 * n + l];
-              dlogit = dg * a.scale[l] * (s - s * s);
-            } else {
-              dlogit = drp[t * nn + l - 2 * n];
-            }
-            const T rw = a.raw[t * L + l];
-            dbias[l] += dlogit;
-            dalpha[l] += dlogit * rw * r;
-            const T dz = dlogit * a.alpha_e[l];
-            dz_raw += dz * rw;
-            draw[(t - t0) * L + l] = dz * r;
-          }
+          const T dz_raw = token_logit_grads(a, t, n, C, drp, dbias, dalpha, draw + (t - t0) * L);
           const T coef = dz_raw * r * r * r / static_cast<T>(nC);
           T* dxt = dxp + t * nC;
           for (int64_t i = 0; i < n; ++i) {  // H_pre[i] dh - coef x_i
@@ -571,24 +585,7 @@ void backward_chunked(const SiteGrads<T>& a, int64_t N, int64_t n_rt, int64_t C,
         if (!linked && t + kSiteBlock < N) prefetch(xt + kSiteBlock * nC, nC);
         if (t + kSiteBlock < N) prefetch(dht + kSiteBlock * C, C);
         const T r = a.inv[t];
-        T dz_raw = 0;
-        T* dr = draw + (t - u0) * L;
-        for (int64_t l = 0; l < L; ++l) {
-          T dlogit;
-          if (l < 2 * n) {
-            const T dg = l < n ? dot(dht, xt + l * C, C) : a.dpost[t * n + l - n];
-            const T s = a.sig[t * 2 * n + l];
-            dlogit = dg * a.scale[l] * (s - s * s);
-          } else {
-            dlogit = drp[t * nn + l - 2 * n];
-          }
-          const T rw = a.raw[t * L + l];
-          dbias[l] += dlogit;
-          dalpha[l] += dlogit * rw * r;
-          const T dz = dlogit * a.alpha_e[l];
-          dz_raw += dz * rw;
-          dr[l] = dz * r;
-        }
+        const T dz_raw = token_logit_grads(a, t, n, C, drp, dbias, dalpha, draw + (t - u0) * L);
         coef[t - u0] = dz_raw * r * r * r / static_cast<T>(nC);
       }
       dphi_chunk<T>(draw, a.x + u0 * nC, dphi, nt, L, nC);
