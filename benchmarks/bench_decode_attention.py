@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.bench_kernels_vs_commit import build_old
-from glm_lightning.model import cext
+from benchmarks.bench_kernels_vs_commit import single_kernel_cli
 
 
 def aten_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -32,18 +29,9 @@ def aten_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rev", default="HEAD")
-    p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--calls", type=int, default=100)
-    args = p.parse_args()
-    if not cext.available():
-        raise SystemExit("the C++ ops are not available")
-    torch.set_num_threads(1)
+    args, old = single_kernel_cli(__doc__, "decode_attention.cpp", "calls", 100)
     from glm_lightning import machine
 
-    with tempfile.TemporaryDirectory() as tmp:
-        old = build_old(args.rev, "decode_attention.cpp", Path(tmp))
     new = torch.ops.glm_lightning
     print(f"{machine.describe()}, 1 thread, {args.rounds} rounds of {args.calls} calls, medians of CPU time per call")
     gen = torch.Generator().manual_seed(0)

@@ -9,32 +9,19 @@ The two forms must agree bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_kernels_vs_commit import build_old
-from glm_lightning.model import cext
+from benchmarks.bench_kernels_vs_commit import single_kernel_cli
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rev", default="HEAD")
-    p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--copies", type=int, default=200)
-    args = p.parse_args()
-    if not cext.available():
-        raise SystemExit("the C++ ops are not available")
-    torch.set_num_threads(1)
+    args, old = single_kernel_cli(__doc__, "kda_decode.cpp", "copies", 200)
     from glm_lightning import machine
 
-    with tempfile.TemporaryDirectory() as tmp:
-        old = build_old(args.rev, "kda_decode.cpp", Path(tmp))
     libs = {f"C++ {args.rev}": old, "C++ this tree": torch.ops.glm_lightning}
     B, H, K = 16, 6, 32
     gen = torch.Generator().manual_seed(0)

@@ -46,6 +46,22 @@ def build_old(rev: str, source: str, out_dir: Path) -> Any:
     return getattr(torch.ops, ns)
 
 
+def single_kernel_cli(doc: str, source: str, count: str, count_default: int) -> tuple[argparse.Namespace, Any]:
+    """The command line of a benchmark of one C++ source against the same file at another commit (``--rev``,
+    ``--rounds`` and its per-round ``--<count>``): the C++ ops checked, torch at 1 thread; (args, the old commit's
+    ops built from `source` by :func:`build_old`)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--rev", default="HEAD")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument(f"--{count}", type=int, default=count_default)
+    args = p.parse_args()
+    if not cext.available():
+        raise SystemExit("the C++ ops are not available")
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        return args, build_old(args.rev, source, Path(tmp))
+
+
 def kda_calls(lib: Any) -> dict[str, Callable[[], Any]]:
     """The KDA recurrence's forward and backward on a flash-25m layer's inputs (unit-norm keys, safe-range gates):
     contiguous, and as a training step lays them out ("step": q, k halves of one [B, T, 2H, K] tensor, v a slice of

@@ -376,6 +376,23 @@ inline T token_logit_grads(const SiteGrads<T>& a, int64_t t, int64_t n, int64_t 
   return dz_raw;
 }
 
+// A linked read's gradient of the res logits for tokens [u0, u1) of a chunk (at most kSiteChunk): the write's gradient
+// of H_res (g x^T, plus dres_h, the other consumers', when given) into buf [kSiteChunk, n, n], then through the
+// Sinkhorn backward into buf's second half; returned indexed by the global token, as SiteGrads::dres is.
+template <typename T, int NS>
+inline const T* linked_res_grads(const SiteGrads<T>& a, int64_t u0, int64_t u1, int64_t n, int64_t C, T* buf) {
+  const int64_t nC = n * C, nn = n * n;
+  T *gres = buf, *dlog = buf + kSiteChunk * nn;
+  for (int64_t t = u0; t < u1; ++t) {
+    T* gr = gres + (t - u0) * nn;
+    write_res_grad<T, NS>(a.g + t * nC, a.x + t * nC, gr, n, C);
+    if (a.dres_h != nullptr)
+      for (int64_t k = 0; k < nn; ++k) gr[k] += a.dres_h[t * nn + k];
+  }
+  glm_lightning_ops::sinkhorn_backward_tokens<T>(gres, nn, a.soft + u0 * nn, nn, u1 - u0, n, a.iters, a.eps, dlog);
+  return dlog - u0 * nn;
+}
+
 template <typename T, int NS>
 void backward_core(const SiteGrads<T>& a, int64_t N, int64_t n, int64_t C, T* dxp, T* dphi_all, T* dsum_all) {
   const int64_t nC = n * C, L = n * n + 2 * n, nn = n * n;
@@ -389,19 +406,8 @@ void backward_core(const SiteGrads<T>& a, int64_t N, int64_t n, int64_t C, T* dx
     std::vector<T> dres_buf(linked ? 2 * kSiteChunk * nn : 0);
     for (int64_t chunk = c0; chunk < c1; ++chunk) {
       const int64_t u0 = chunk * kSiteChunk, u1 = std::min(N, u0 + kSiteChunk);
-      const T* drp = a.dres;  // the logits' gradient, indexed by the global token
-      if (linked) {  // the write's gradient of H_res for the chunk, then through the Sinkhorn backward
-        T *gres = dres_buf.data(), *dlog = gres + kSiteChunk * nn;
-        for (int64_t t = u0; t < u1; ++t) {
-          T* gr = gres + (t - u0) * nn;
-          write_res_grad<T, NS>(a.g + t * nC, a.x + t * nC, gr, n, C);
-          if (a.dres_h != nullptr)
-            for (int64_t k = 0; k < nn; ++k) gr[k] += a.dres_h[t * nn + k];
-        }
-        glm_lightning_ops::sinkhorn_backward_tokens<T>(gres, nn, a.soft + u0 * nn, nn, u1 - u0, n, a.iters, a.eps,
-                                                       dlog);
-        drp = dlog - u0 * nn;
-      }
+      // the logits' gradient, indexed by the global token
+      const T* drp = linked ? linked_res_grads<T, NS>(a, u0, u1, n, C, dres_buf.data()) : a.dres;
       for (int64_t t0 = u0; t0 < u1; t0 += kSiteBlock) {
         const int64_t t1 = std::min(u1, t0 + kSiteBlock), nt = t1 - t0;
         for (int64_t t = t0; t < t1; ++t) {
@@ -567,18 +573,7 @@ void backward_chunked(const SiteGrads<T>& a, int64_t N, int64_t n_rt, int64_t C,
     T *draw = buf.data(), *coef = draw + kSiteChunk * 64;
     for (int64_t chunk = c0; chunk < c1; ++chunk) {
       const int64_t u0 = chunk * kSiteChunk, u1 = std::min(N, u0 + kSiteChunk), nt = u1 - u0;
-      const T* drp = a.dres;
-      if (linked) {
-        T *gres = coef + kSiteChunk, *dlog = gres + kSiteChunk * nn;
-        for (int64_t t = u0; t < u1; ++t) {
-          T* gr = gres + (t - u0) * nn;
-          write_res_grad<T, NS>(a.g + t * nC, a.x + t * nC, gr, n, C);
-          if (a.dres_h != nullptr)
-            for (int64_t k = 0; k < nn; ++k) gr[k] += a.dres_h[t * nn + k];
-        }
-        glm_lightning_ops::sinkhorn_backward_tokens<T>(gres, nn, a.soft + u0 * nn, nn, nt, n, a.iters, a.eps, dlog);
-        drp = dlog - u0 * nn;
-      }
+      const T* drp = linked ? linked_res_grads<T, NS>(a, u0, u1, n, C, coef + kSiteChunk) : a.dres;
       for (int64_t t = u0; t < u1; ++t) {
         const T* xt = a.x + t * nC;
         const T* dht = a.dh + t * C;
